@@ -1,0 +1,31 @@
+"""finefreeze: freeze any part of a Keras 3 / TensorFlow model, exactly.
+
+Example:
+    >>> import finefreeze as ff
+    >>> ff.Plan([ff.freeze("**"), ff.train("head/**")])
+    Plan([freeze('**'), train('head/**')])
+"""
+
+from finefreeze._errors import DeltaError as DeltaError
+from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
+from finefreeze._errors import PlanError as PlanError
+from finefreeze._freezer import Freezer as Freezer
+from finefreeze._optimizer import FreezingOptimizer as FreezingOptimizer
+from finefreeze._plan import Plan as Plan
+from finefreeze._rules import Rule as Rule
+from finefreeze._rules import freeze as freeze
+from finefreeze._rules import train as train
+from finefreeze._version import __version__ as __version__
+
+__all__ = [
+    "DeltaError",
+    "Freezer",
+    "FreezingOptimizer",
+    "FrozenValueChanged",
+    "Plan",
+    "PlanError",
+    "Rule",
+    "__version__",
+    "freeze",
+    "train",
+]

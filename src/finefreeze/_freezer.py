@@ -1,0 +1,218 @@
+"""``Freezer``: a plan resolved against a model, with its flags and proof."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from finefreeze._errors import PlanError
+from finefreeze._plan import Plan
+from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
+from finefreeze._strategies import STRATEGIES, choose
+from finefreeze._targets import base_trainable, collect, remember_base
+
+__all__ = ["Freezer"]
+
+
+class Freezer:
+    """Resolve a plan against a model, set its Keras flags, and prove it held.
+
+    Creating a Freezer resolves the plan at once; on a bad plan it raises
+    ``PlanError`` and the model is left untouched. On success it sets the
+    Keras ``trainable`` flags (fully frozen variables: ``trainable=False``; a
+    fully frozen BatchNormalization layer: ``layer.trainable=False``) and takes
+    a fingerprint of every frozen element.
+
+    Args:
+        target: a Keras model or layer, a ``tf.Module``, or a list of
+            variables.
+        plan: the :class:`Plan` (a list of rules is accepted too).
+        strategy: how partially frozen variables are enforced by
+            :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
+
+    Raises:
+        PlanError: the plan does not resolve against ``target``.
+
+    Example:
+        >>> import keras, finefreeze as ff
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
+        ...                           keras.layers.Dense(2, name="head")])
+        >>> frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), ff.train("**/head/**")]))
+        >>> [v.path for v in frz.trainable_variables]
+        ['sequential/head/kernel', 'sequential/head/bias']
+    """
+
+    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto"):
+        if isinstance(plan, (list, tuple)):
+            plan = Plan(plan)
+        if not isinstance(plan, Plan):
+            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        self._strategy = strategy
+        self._target = collect(target)
+        self._res: Resolution = resolve(plan, self._target)
+        self._history: list[dict] = []
+        self.activate()
+
+    # -- state ----------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan in force."""
+        return self._res.plan
+
+    @property
+    def strategy(self) -> str:
+        """The requested strategy for partially frozen variables."""
+        return self._strategy
+
+    @property
+    def resolution(self) -> Resolution:
+        """The immutable resolution of the plan against the target."""
+        return self._res
+
+    @property
+    def trainable_variables(self) -> list:
+        """Variables the optimizer will update at all (trainable or partial).
+
+        Comes from this Freezer's plan, never from the Keras flags, so several
+        Freezers over one model each keep their own list.
+        """
+        return [s.variable for s in self._res.states if s.state in (TRAINABLE, PARTIAL)]
+
+    def _state(self, path: str) -> VarState:
+        st = self._res.by_path(path)
+        if st is None:
+            from finefreeze._resolve import _closest
+
+            paths = [p for s in self._res.states for p in s.info.names]
+            raise PlanError(
+                f"no variable with path {path!r} in this target; closest: "
+                f"{', '.join(_closest(path, paths))}."
+            )
+        return st
+
+    def frozen_mask(self, path: str) -> np.ndarray:
+        """Bool array of the variable's shape, True where an element is frozen.
+
+        Variables Keras does not train are all True.
+
+        Raises:
+            PlanError: no variable has that path.
+        """
+        return self._state(path).frozen_mask()
+
+    def variable_state(self, path: str) -> str:
+        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
+        return self._state(path).state
+
+    def strategy_for(self, path: str) -> str | None:
+        """The strategy :meth:`wrap` uses for a partially frozen variable."""
+        st = self._state(path)
+        if st.state != PARTIAL:
+            return None
+        return choose(self._strategy, st.n_trainable, st.info.size,
+                      getattr(st.variable, "constraint", None) is not None)
+
+    # -- flags and fingerprints ----------------------------------------------
+    def activate(self) -> Freezer:
+        """Make the Keras flags follow this Freezer's plan; refresh the fingerprint.
+
+        Several Freezers may share a model; ``fit`` traces the flags of the one
+        created or activated last. A traced train function is rebuilt.
+
+        Returns:
+            self.
+        """
+        import keras
+
+        t = self._target
+        for layer in t.layers:
+            if isinstance(layer, keras.layers.Layer):
+                remember_base(layer)
+        for vi in t.variables:
+            if vi.is_keras:
+                remember_base(vi.variable)
+        frozen_layers = {id(x) for x in self._res.frozen_layers}
+        for layer in t.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                want = base_trainable(layer) and id(layer) not in frozen_layers
+                if layer.trainable != want:
+                    layer.trainable = want
+        for s in self._res.states:
+            if s.info.is_keras and s.state != UNTRAINED:
+                want = s.state != FROZEN
+                if s.variable.trainable != want:
+                    s.variable.trainable = want
+        if isinstance(t.obj, keras.Model) and getattr(t.obj, "train_function", None) is not None:
+            t.obj.make_train_function(force=True)
+        self._fingerprint = self._take_fingerprint()
+        return self
+
+    def _fingerprint_items(self):
+        bn_vars = {id(v) for layer in self._res.frozen_layers for v in layer.weights}
+        for s in self._res.states:
+            if s.state == FROZEN or (s.state == UNTRAINED and id(s.variable) in bn_vars):
+                yield s.path, s.variable, s.info.shape, None
+            elif s.state == PARTIAL:
+                yield s.path, s.variable, s.info.shape, s.mask
+
+    def _take_fingerprint(self):
+        from finefreeze._fingerprint import take
+
+        return take(self._fingerprint_items())
+
+    def verify(self) -> None:
+        """Check that every frozen element is bit-identical to freeze time.
+
+        Raises:
+            FrozenValueChanged: names each offending variable and the first
+                changed elements (to a block of 256 elements).
+        """
+        self._fingerprint.verify()
+
+    # -- optimizer -------------------------------------------------------------
+    def wrap(self, optimizer, *, strategy: str | None = None):
+        """Return a :class:`FreezingOptimizer` around ``optimizer`` for this plan.
+
+        Args:
+            optimizer: a Keras optimizer (not a ``LossScaleOptimizer``).
+            strategy: overrides the Freezer's strategy.
+
+        Returns:
+            The wrapping ``FreezingOptimizer``.
+        """
+        from finefreeze._optimizer import FreezingOptimizer
+
+        return FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy,
+                                 _resolution=self._res)
+
+    # -- reports -----------------------------------------------------------------
+    def report(self) -> dict:
+        """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`."""
+        from finefreeze._report import build_report
+
+        return build_report(self)
+
+    def summary(self, *, variables: bool = True, print_fn=None) -> str:
+        """A table like ``model.summary()``: per layer, then per variable.
+
+        Args:
+            variables: list each variable under its layer.
+            print_fn: if given, called with the text (``print`` prints it).
+
+        Returns:
+            The table as a string.
+        """
+        from finefreeze._report import format_summary
+
+        text = format_summary(self.report(), variables=variables)
+        if print_fn is not None:
+            print_fn(text)
+        return text
+
+    def __repr__(self) -> str:
+        r = self.report()["totals"]
+        return (f"<Freezer {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
+                f"elements in {r['variables']} variables>")

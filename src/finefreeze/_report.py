@@ -1,0 +1,122 @@
+"""The freeze report: a JSON-able dict and a ``model.summary()``-like table."""
+
+from __future__ import annotations
+
+from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
+
+__all__ = ["build_report", "format_summary"]
+
+
+def _decider(plan, idx: int) -> str:
+    return "keras state" if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
+
+
+def build_report(frz) -> dict:
+    res = frz.resolution
+    plan = res.plan
+    variables = []
+    for s in res.states:
+        size = s.info.size
+        strategy = frz.strategy_for(s.path) if s.state == PARTIAL else None
+        if s.state == TRAINABLE:
+            adam = 2 * size
+        elif s.state == PARTIAL:
+            adam = 2 * (s.n_trainable if strategy == "compact" else size)
+        else:
+            adam = 0
+        layer = s.path.rsplit("/", 1)[0] if "/" in s.path else ""
+        variables.append({
+            "path": s.path,
+            "layer": layer,
+            "shape": list(s.info.shape),
+            "dtype": s.info.dtype,
+            "elements": size,
+            "trainable_elements": s.n_trainable,
+            "frozen_elements": size - s.n_trainable if s.state != UNTRAINED else 0,
+            "state": s.state,
+            "strategy": strategy,
+            "lr_scale": s.lr_scale,
+            "adam_state_elements": adam,
+            "decided_by": [{"rule": _decider(plan, i), "elements": n} for i, n in s.decided_by],
+        })
+    layers: dict[str, dict] = {}
+    for v in variables:
+        row = layers.setdefault(v["layer"], {"layer": v["layer"], "elements": 0, "trainable_elements": 0,
+                                             "frozen_elements": 0, "untrained_elements": 0,
+                                             "adam_state_elements": 0, "variables": []})
+        row["elements"] += v["elements"]
+        row["trainable_elements"] += v["trainable_elements"]
+        row["frozen_elements"] += v["frozen_elements"]
+        row["untrained_elements"] += v["elements"] if v["state"] == UNTRAINED else 0
+        row["adam_state_elements"] += v["adam_state_elements"]
+        row["variables"].append(v["path"])
+    for row in layers.values():
+        trainable = row["elements"] - row["untrained_elements"]
+        if row["trainable_elements"] == 0:
+            row["state"] = FROZEN if trainable else UNTRAINED
+        elif row["frozen_elements"] == 0:
+            row["state"] = TRAINABLE
+        else:
+            row["state"] = PARTIAL
+    totals = {
+        "variables": len(variables),
+        "elements": sum(v["elements"] for v in variables),
+        "trainable_elements": sum(v["trainable_elements"] for v in variables),
+        "frozen_elements": sum(v["frozen_elements"] for v in variables),
+        "untrained_elements": sum(v["elements"] for v in variables if v["state"] == UNTRAINED),
+        "adam_state_elements": sum(v["adam_state_elements"] for v in variables),
+        "by_state": {k: sum(1 for v in variables if v["state"] == k) for k in (TRAINABLE, PARTIAL, FROZEN, UNTRAINED)},
+    }
+    return {
+        "plan": [repr(r) for r in plan.rules],
+        "strategy": frz.strategy,
+        "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
+        "layers": list(layers.values()),
+        "variables": variables,
+        "totals": totals,
+        "history": list(getattr(frz, "_history", [])),
+    }
+
+
+def _fmt_state(v) -> str:
+    if v["state"] == PARTIAL:
+        pct = 100.0 * v["frozen_elements"] / max(1, v["elements"] - v.get("untrained_elements", 0))
+        return f"partial {pct:.1f}% frozen"
+    return v["state"]
+
+
+def format_summary(rep: dict, *, variables: bool = True) -> str:
+    by_path = {v["path"]: v for v in rep["variables"]}
+    head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", "Adam state", "Decided by")
+    rows = []
+    for layer in rep["layers"]:
+        rows.append((layer["layer"] or "(root)", "", f"{layer['elements']:,}", f"{layer['trainable_elements']:,}",
+                     f"{layer['frozen_elements']:,}", _fmt_state(layer), f"{layer['adam_state_elements']:,}", ""))
+        if variables:
+            for p in layer["variables"]:
+                v = by_path[p]
+                name = "  " + p.rsplit("/", 1)[-1]
+                state = _fmt_state(v) + (f" [{v['strategy']}]" if v["strategy"] else "")
+                deciders = "; ".join(d["rule"] for d in v["decided_by"])
+                rows.append((name, str(tuple(v["shape"])), f"{v['elements']:,}", f"{v['trainable_elements']:,}",
+                             f"{v['frozen_elements']:,}", state, f"{v['adam_state_elements']:,}", deciders))
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    widths[-1] = min(widths[-1], 60)
+
+    def line(r):
+        cells = [str(c)[:widths[i]] if i == len(r) - 1 else str(c) for i, c in enumerate(r)]
+        return "  ".join(c.ljust(w) if i in (0, 1, 5, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    rule = "─" * (sum(widths) + 2 * (len(widths) - 1))
+    t = rep["totals"]
+    out = ["Freeze plan: " + ", ".join(rep["plan"]), rule, line(head), rule]
+    out += [line(r) for r in rows]
+    out.append(rule)
+    pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
+    out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% of what Keras trains)")
+    out.append(f"Frozen elements:    {t['frozen_elements']:,}")
+    out.append(f"Not trained by Keras (moving statistics etc.): {t['untrained_elements']:,}")
+    out.append(f"Optimizer state with Adam: {t['adam_state_elements']:,} elements")
+    if rep["frozen_layers"]:
+        out.append("Frozen as layers (inference mode): " + ", ".join(rep["frozen_layers"]))
+    return "\n".join(out)

@@ -1,0 +1,115 @@
+"""Enforcement strategies for partially frozen variables.
+
+Each strategy is a small object with two hooks around the inner optimizer's
+update: ``prepare`` turns ``(gradient, variable)`` into what the inner
+optimizer sees and keeps whatever ``finish`` needs; ``finish`` puts the model
+variable right after the inner update.
+
+- ``restore``: frozen-element gradients selected to 0 with ``where`` (never
+  multiplied, so NaN/Inf cannot leak), inner update on the whole variable,
+  then frozen elements written back from a snapshot taken in the same step.
+  Persistent cost: the bool mask, one byte per element.
+- ``compact``: the inner optimizer updates a flat vector holding only the
+  trainable elements (gather, update, scatter back); frozen elements are
+  never written and get no optimizer state.
+- ``mask``: the folk recipe, gradient selection alone; not exact with weight
+  decay, momentum, EMA and friends, and warned about.
+- ``train``: a fully trainable variable, passed through (``lr_scale`` aside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["STRATEGIES", "AUTO_COMPACT_BELOW", "choose", "Slot"]
+
+STRATEGIES = ("auto", "restore", "compact", "mask")
+
+#: ``auto`` picks ``compact`` when fewer than this fraction of a partially
+#: frozen variable's elements train, else ``restore`` (see docs/benchmarks.md).
+AUTO_COMPACT_BELOW = 0.10
+
+
+def choose(strategy: str, n_trainable: int, size: int, has_constraint: bool) -> str:
+    """The concrete strategy for one partially frozen variable."""
+    if strategy == "auto":
+        strategy = "compact" if n_trainable < AUTO_COMPACT_BELOW * size else "restore"
+    if strategy == "compact" and has_constraint:
+        return "restore"  # a constraint acts on the whole variable
+    return strategy
+
+
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _read(v):
+    tf = _tf()
+    return tf.identity(v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v)
+
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """One model variable as the wrapper handles it (kept out of tracking)."""
+
+    path: str
+    variable: Any  # model variable
+    kind: str  # "train" | "restore" | "compact" | "mask"
+    shape: tuple
+    lr_scale: float = 1.0
+    mask: Any = None  # bool optimizer variable (True = frozen): restore, mask
+    index: Any = None  # int32 optimizer variable of trainable flat indices: compact
+    shadow: Any = None  # flat optimizer variable of trainable values: compact
+
+    @property
+    def inner_variable(self):
+        return self.shadow if self.kind == "compact" else self.variable
+
+    # -- hooks -------------------------------------------------------------
+    def needs_snapshot(self) -> bool:
+        return self.kind == "restore" or self.lr_scale != 1.0
+
+    def prepare(self, grad):
+        """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps)."""
+        tf = _tf()
+        if self.kind == "compact":
+            flat = tf.reshape(_read(self.variable), [-1])
+            values = tf.gather(flat, self.index.value)
+            self.shadow.assign(values)
+            g = None
+            if grad is not None:
+                g = tf.gather(tf.reshape(tf.convert_to_tensor(grad), [-1]), self.index.value)
+            return g, (values if self.lr_scale != 1.0 else None)
+        old = _read(self.variable) if self.needs_snapshot() else None
+        if grad is None or self.kind == "train":
+            return grad, old
+        mask = self.mask.value
+        if isinstance(grad, tf.IndexedSlices):
+            rows = tf.gather(mask, grad.indices)
+            vals = tf.where(rows, tf.zeros_like(grad.values), grad.values)
+            return tf.IndexedSlices(vals, grad.indices, grad.dense_shape), old
+        grad = tf.convert_to_tensor(grad)
+        return tf.where(mask, tf.zeros_like(grad), grad), old
+
+    def finish(self, old):
+        """Put the model variable right after the inner update."""
+        tf = _tf()
+        if self.kind == "compact":
+            new = self.shadow.value
+            if old is not None:
+                new = old + tf.cast(self.lr_scale, new.dtype) * (new - old)
+            idx = tf.transpose(tf.unravel_index(self.index.value, self.shape)) if len(self.shape) > 1 else tf.expand_dims(self.index.value, 1)
+            target = self.variable.value if hasattr(self.variable, "value") and not isinstance(self.variable, tf.Variable) else self.variable
+            target.scatter_nd_update(idx, new)
+            return
+        if old is None:
+            return
+        cur = _read(self.variable)
+        if self.lr_scale != 1.0:
+            cur = old + tf.cast(self.lr_scale, cur.dtype) * (cur - old)
+        if self.kind == "restore":
+            cur = tf.where(self.mask.value, old, cur)
+        self.variable.assign(cur)
