@@ -7,6 +7,7 @@ Example:
 """
 
 from finefreeze._errors import DeltaError as DeltaError
+from finefreeze._errors import FreezeWarning as FreezeWarning
 from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
 from finefreeze._errors import PlanError as PlanError
 from finefreeze._freezer import Freezer as Freezer
@@ -19,6 +20,7 @@ from finefreeze._version import __version__ as __version__
 
 __all__ = [
     "DeltaError",
+    "FreezeWarning",
     "Freezer",
     "FreezingOptimizer",
     "FrozenValueChanged",

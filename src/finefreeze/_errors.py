@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PlanError", "FrozenValueChanged", "DeltaError"]
+__all__ = ["PlanError", "FrozenValueChanged", "DeltaError", "FreezeWarning"]
 
 
 class PlanError(ValueError):
@@ -44,5 +44,18 @@ class DeltaError(ValueError):
     Example:
         >>> import finefreeze as ff
         >>> issubclass(ff.DeltaError, ValueError)
+        True
+    """
+
+
+class FreezeWarning(UserWarning):
+    """Something that works but is probably not what you want.
+
+    Raised for the inexact ``mask`` strategy and for rules that select
+    nothing under ``strict=False``.
+
+    Example:
+        >>> import finefreeze as ff
+        >>> issubclass(ff.FreezeWarning, UserWarning)
         True
     """

@@ -190,11 +190,16 @@ class _Parser:
             return ("list", tuple(vals))
         parts = [self.int_or_none()]
         n_colons = 0
+        step_at = None
         while self.peek() == ":":
             n_colons += 1
             if n_colons > 2:
                 self.fail("a slice has at most two ':'")
             self.i += 1
+            step_at = self.i
+            self.peek()
+            if n_colons == 2:
+                step_at = self.i
             parts.append(self.int_or_none())
         if n_colons == 0:
             if parts[0] is None:
@@ -202,5 +207,5 @@ class _Parser:
             return ("int", parts[0])
         parts += [None] * (3 - len(parts))
         if parts[2] == 0:
-            self.fail("slice step cannot be zero")
+            self.fail("slice step cannot be zero", at=step_at)
         return ("slice", parts[0], parts[1], parts[2])

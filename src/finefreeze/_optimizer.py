@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from finefreeze._errors import PlanError
+from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
 from finefreeze._strategies import STRATEGIES, Slot, choose
@@ -269,7 +269,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 "strategy 'mask' (gradient masking alone) is not exact with "
                 f"{type(self.inner_optimizer).__name__}: {'; '.join(reasons)}. Frozen "
                 "elements will drift; use strategy 'restore' or 'compact'.",
-                UserWarning,
+                FreezeWarning,
                 stacklevel=3,
             )
 

@@ -29,14 +29,6 @@ def _yaml():
     return yaml
 
 
-def _toml_loads(text: str):
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
-    return tomllib.loads(text), tomllib.TOMLDecodeError
-
-
 def read_plan_file(path: str) -> Any:
     ext = _ext(path)
     try:
@@ -57,9 +49,15 @@ def read_plan_file(path: str) -> Any:
         try:
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
+            import re
+
             line = getattr(e, "lineno", None)
+            m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
+            if line is None and m:
+                line = int(m.group(1))
             where = f"{path}:{line}" if line else path
-            raise PlanError(f"{where}: TOML does not parse: {e}.") from None
+            msg = re.sub(r"\s*\(at line \d+, column \d+\)", "", getattr(e, "msg", None) or str(e))
+            raise PlanError(f"{where}: TOML does not parse: {msg}.") from None
     yaml = _yaml()
     try:
         return yaml.safe_load(text)

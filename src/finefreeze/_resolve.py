@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from finefreeze._errors import PlanError
+from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._masks import ElementMask
 from finefreeze._plan import Plan
 from finefreeze._rules import Rule
@@ -259,7 +259,7 @@ def _check_hits(plan, target, hits, untrained_hits):
         )
         if plan.strict:
             raise PlanError(msg)
-        warnings.warn(msg, UserWarning, stacklevel=4)
+        warnings.warn(msg, FreezeWarning, stacklevel=4)
 
 
 def _frozen_bn_layers(target: Target, states) -> tuple:

@@ -250,5 +250,5 @@ def _collect_module(module) -> Target:
             VarInfo(names[0], tuple(names), v, v.value if is_keras else v, shape, dtype,
                     None, base_trainable(v), is_keras)
         )
-    layers = list(module._flatten_modules(include_self=True, recursive=True))
+    layers = [module] + list(module.submodules)
     return Target(module, "module", infos, layers)

@@ -1,0 +1,98 @@
+"""Plans are immutable, chainable, and round-trip through dicts and files."""
+
+import numpy as np
+import pytest
+
+import finefreeze as ff
+
+
+def example_plan():
+    return ff.Plan(
+        [
+            ff.freeze("**"),
+            ff.train("head/**", lr_scale=0.5),
+            ff.train("token_embedding/embeddings[1000:, ::2]"),
+            ff.freeze("re:.*bias"),
+            ff.freeze("dense/kernel", indices=[(0, 0), (1, 1)]),
+            ff.train("dense/kernel", mask=np.array([[True, False], [False, True]])),
+            ff.freeze({"layer_class": "BatchNormalization"}),
+        ],
+        strict=False,
+    )
+
+
+def test_plan_is_immutable_and_chaining_returns_new_plans():
+    p = ff.Plan([ff.freeze("**")])
+    q = p.train("head/**")
+    assert len(p) == 1 and len(q) == 2
+    assert q.rules[0] is p.rules[0]
+    with pytest.raises(AttributeError):
+        p.strict = False
+    assert repr(q) == "Plan([freeze('**'), train('head/**')])"
+
+
+def test_repr_reads_like_the_user_line():
+    assert repr(ff.train("emb/embeddings[1000:]", lr_scale=0.1)) == "train('emb/embeddings[1000:]', lr_scale=0.1)"
+    assert repr(ff.freeze("k", indices=[(0, 1)])) == "freeze('k', indices=[[0, 1]])"
+
+
+def test_dict_round_trip():
+    p = example_plan()
+    d = p.to_dict()
+    assert d["strict"] is False
+    assert d["rules"][1] == {"train": "head/**", "lr_scale": 0.5}
+    assert ff.Plan.from_dict(d) == p
+
+
+@pytest.mark.parametrize("ext", [".json", ".toml", ".yaml", ".yml"])
+def test_file_round_trip(tmp_path, ext):
+    p = example_plan()
+    path = tmp_path / f"plan{ext}"
+    p.save(path)
+    q = ff.Plan.load(path)
+    assert q == p
+    assert q.to_dict() == p.to_dict()
+
+
+@pytest.mark.parametrize(
+    "ext, text, line",
+    [
+        (".json", '{"rules": [\n  {"freeze": "**"},\n  {"train": }\n]}', 3),
+        (".toml", 'strict = true\n[[rules]]\nfreeze = "**"\ntrain = \n', 4),
+        (".yaml", "rules:\n  - freeze: '**'\n  - train: [unclosed\n", 4),
+    ],
+)
+def test_unparsable_file_names_file_and_line(tmp_path, ext, text, line):
+    path = tmp_path / f"bad{ext}"
+    path.write_text(text)
+    with pytest.raises(ff.PlanError) as e:
+        ff.Plan.load(path)
+    assert f"{path}:{line}" in str(e.value)
+
+
+def test_semantic_errors_in_files_name_the_rule(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text('{"rules": [{"freeze": "**"}, {"freez": "x"}]}')
+    with pytest.raises(ff.PlanError, match=r"p.json: rule 2: a rule has exactly one of"):
+        ff.Plan.load(path)
+
+
+def test_unwritable_rules_say_why():
+    with pytest.raises(ff.PlanError, match="where= callable cannot be written"):
+        ff.Plan([ff.freeze("x", where=lambda w: w == 0)]).to_dict()
+    with pytest.raises(ff.PlanError, match="cannot be written to a plan file"):
+        ff.Plan([ff.freeze(lambda p, v: True)]).to_dict()
+
+
+def test_unknown_extension(tmp_path):
+    with pytest.raises(ff.PlanError, match="unknown extension"):
+        ff.Plan([ff.freeze("**")]).save(tmp_path / "p.txt")
+
+
+def test_import_does_not_load_optional_extras():
+    import subprocess
+    import sys
+
+    code = "import sys, finefreeze; print('yaml' in sys.modules, 'matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False False"
