@@ -247,6 +247,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             idx = np.full((n_trainable,), -1, dtype=np.int32)
         else:
             kind = choose(self._strategy, n_trainable, int(np.prod(shape, dtype=np.int64)), has_constraint)
+            if kind == "compact" and isinstance(self.inner_optimizer, keras.optimizers.MultiOptimizer):
+                kind = "restore"  # MultiOptimizer routes by the model variable's path
             dense = mask.dense()
             idx = mask.trainable_flat_indices().astype(np.int32) if kind == "compact" else None
         safe = path.replace("/", ".")

@@ -51,6 +51,18 @@ def _read(v):
     return tf.identity(v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v)
 
 
+def _unravel(tf, flat, shape):
+    """Flat int32 indices to ``(k, ndim)`` indices, with ops XLA compiles."""
+    if len(shape) <= 1:
+        return tf.expand_dims(flat, 1)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    strides.reverse()
+    return tf.stack([(flat // s) % d for s, d in zip(strides, shape)], axis=1)
+
+
 @dataclasses.dataclass(eq=False)
 class Slot:
     """One model variable as the wrapper handles it (kept out of tracking)."""
@@ -101,7 +113,7 @@ class Slot:
             new = self.shadow.value
             if old is not None:
                 new = old + tf.cast(self.lr_scale, new.dtype) * (new - old)
-            idx = tf.transpose(tf.unravel_index(self.index.value, self.shape)) if len(self.shape) > 1 else tf.expand_dims(self.index.value, 1)
+            idx = _unravel(tf, self.index.value, self.shape)
             target = self.variable.value if hasattr(self.variable, "value") and not isinstance(self.variable, tf.Variable) else self.variable
             target.scatter_nd_update(idx, new)
             return
