@@ -189,21 +189,19 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         return out
 
     def _decisions_from_layout(self, var_list):
-        by_path = {e["path"]: e for e in self._layout["variables"]}
-        frozen = set(self._layout["frozen"])
+        entries = list(self._layout["variables"]) + [{"path": p, "strategy": "frozen"} for p in self._layout["frozen"]]
         out = []
         for v in var_list:
-            p = var_path(v)
-            if p in frozen:
+            e = _match_layout(var_path(v), entries)
+            if e is None:
+                out.append((v, TRAINABLE, None, None, 1.0))
+            elif e["strategy"] == "frozen":
                 out.append((v, FROZEN, None, None, 1.0))
                 if getattr(v, "trainable", False) and isinstance(v, keras.Variable):
-                    v.trainable = False  # per-variable flags are not saved
-            elif p in by_path:
-                e = by_path[p]
-                state = PARTIAL if e["strategy"] in ("restore", "compact", "mask") else TRAINABLE
-                out.append((v, state, e, e.get("n_trainable"), e.get("lr_scale", 1.0)))
+                    v.trainable = False  # per-variable flags are not saved in .keras files
             else:
-                out.append((v, TRAINABLE, None, None, 1.0))
+                state = TRAINABLE if e["strategy"] == "train" else PARTIAL
+                out.append((v, state, e, e.get("n_trainable"), e.get("lr_scale", 1.0)))
         return out
 
     @_no_tracking
@@ -360,6 +358,21 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         layout = config.pop("layout", None)
         return cls(inner, Plan.from_dict(plan) if plan else None, strategy=config.pop("strategy", "auto"),
                    name=config.pop("name", None), _layout=layout)
+
+
+def _match_layout(path, entries):
+    """The layout entry of ``path``; saved paths may have lost or gained a
+    model-name prefix (a reloaded Sequential drops its own name)."""
+    exact = [e for e in entries if e["path"] == path]
+    if exact:
+        return exact[0]
+    near = [e for e in entries if e["path"].endswith("/" + path) or path.endswith("/" + e["path"])]
+    if len(near) > 1:
+        raise PlanError(
+            f"variable {path!r} matches several saved freeze entries "
+            f"({', '.join(e['path'] for e in near)}); give layers unique names."
+        )
+    return near[0] if near else None
 
 
 def _layout_from_resolution(res, strategy):
