@@ -7,16 +7,17 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from optimizers import OPTIMIZERS, WRAPPERS
 
 import finefreeze as ff
+from optimizers import OPTIMIZERS, WRAPPERS
 
 STEPS = 4
 
 
 def test_every_keras_optimizer_is_covered():
-    classes = {n for n, c in vars(keras.optimizers).items()
-               if inspect.isclass(c) and issubclass(c, keras.optimizers.Optimizer)}
+    classes = {
+        n for n, c in vars(keras.optimizers).items() if inspect.isclass(c) and issubclass(c, keras.optimizers.Optimizer)
+    }
     covered = {type(make()).__name__ for make in OPTIMIZERS.values()}
     assert classes - WRAPPERS <= covered, classes - WRAPPERS - covered
 

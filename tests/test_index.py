@@ -53,7 +53,9 @@ def numpy_reference(shape, np_items):
         k = np_items.index(Ellipsis)
         np_items = np_items[:k] + (slice(None),) * (len(shape) - n_real) + np_items[k + 1 :]
     np_items = np_items + (slice(None),) * (len(shape) - len(np_items))
-    per_axis = [np.arange(d)[it] if isinstance(it, slice) else np.array(it, dtype=int) for it, d in zip(np_items, shape)]
+    per_axis = [
+        np.arange(d)[it] if isinstance(it, slice) else np.array(it, dtype=int) for it, d in zip(np_items, shape)
+    ]
     ref = np.zeros(shape, bool)
     if all(len(a) for a in per_axis):
         ref[np.ix_(*per_axis)] = True

@@ -4,9 +4,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import TwoLayerModule, flags, functional, mlp, nested, subclassed, transformer
 
 import finefreeze as ff
+from conftest import TwoLayerModule, flags, functional, mlp, nested, subclassed, transformer
 
 
 def paths(vs):
@@ -75,11 +75,13 @@ def test_nested_model_paths_and_glob_forms():
 
 def test_transformer_by_layer_class_callable_and_where():
     m = transformer()
-    plan = ff.Plan([
-        ff.freeze(keras.layers.MultiHeadAttention),
-        ff.freeze(lambda path, v: path.endswith("gamma")),
-        ff.freeze("head/kernel", where=lambda w: w > 0),
-    ])
+    plan = ff.Plan(
+        [
+            ff.freeze(keras.layers.MultiHeadAttention),
+            ff.freeze(lambda path, v: path.endswith("gamma")),
+            ff.freeze("head/kernel", where=lambda w: w > 0),
+        ]
+    )
     frz = ff.Freezer(m, plan)
     rep = {v["path"]: v for v in frz.report()["variables"]}
     assert rep["block_0_attn/query/kernel"]["state"] == "frozen"
@@ -159,8 +161,12 @@ def test_two_freezers_each_follow_their_own_plan():
 
 def test_sparse_selections_are_stored_compactly():
     m = transformer(vocab=20000, d=32)
-    frz = ff.Freezer(m, ff.Plan([ff.freeze("token_embedding/embeddings"),
-                                 ff.train("token_embedding/embeddings", indices=[(5, 3), (17, 0)])]))
+    frz = ff.Freezer(
+        m,
+        ff.Plan(
+            [ff.freeze("token_embedding/embeddings"), ff.train("token_embedding/embeddings", indices=[(5, 3), (17, 0)])]
+        ),
+    )
     st = frz.resolution.by_path("token_embedding/embeddings")
     assert st.mask.n_trainable == 2
     assert st.mask.nbytes <= 16  # an index list, not 640,000 bools

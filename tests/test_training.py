@@ -4,9 +4,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import TwoLayerModule, mlp, transformer, weights
 
 import finefreeze as ff
+from conftest import TwoLayerModule, mlp, transformer, weights
 
 
 def data(n=64, d=5, k=4, seed=0):
@@ -27,9 +27,15 @@ PLAN = ff.Plan([ff.freeze("**/dense_0/**"), ff.freeze("**/dense_1/kernel[::2, 1:
 
 
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
-@pytest.mark.parametrize("mode", [
-    {"run_eagerly": True}, {}, {"jit_compile": True}, {"steps_per_execution": 4},
-])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"run_eagerly": True},
+        {},
+        {"jit_compile": True},
+        {"steps_per_execution": 4},
+    ],
+)
 def test_fit_is_exact(strategy, mode):
     m = mlp()
     frz = ff.Freezer(m, PLAN, strategy=strategy)
@@ -59,11 +65,13 @@ def test_classic_2x2_only_diagonal_trains():
 
 
 def _two_layer_model():
-    m = keras.Sequential([
-        keras.Input((2,)),
-        keras.layers.Dense(2, activation="sigmoid", name="h"),
-        keras.layers.Dense(2, activation="sigmoid", name="o"),
-    ])
+    m = keras.Sequential(
+        [
+            keras.Input((2,)),
+            keras.layers.Dense(2, activation="sigmoid", name="h"),
+            keras.layers.Dense(2, activation="sigmoid", name="o"),
+        ]
+    )
     m.get_layer("h").set_weights([np.array([[0.0, 0.25], [0.2, 0.3]], "float32"), np.array([0.35, 0.35], "float32")])
     m.get_layer("o").set_weights([np.array([[0.4, 0.5], [0.45, 0.55]], "float32"), np.array([0.6, 0.6], "float32")])
     return m
@@ -313,8 +321,10 @@ def test_transformer_with_frozen_token_embedding_rows():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 60, size=(32, 8)).astype("int32")
     y = rng.integers(0, 3, size=(32,))
-    m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(0.01)),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    m.compile(
+        optimizer=frz.wrap(keras.optimizers.AdamW(0.01)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     m.fit(x, y, epochs=2, batch_size=8, verbose=0)
     after = weights(m)
     frozen_unchanged(frz, before, after)

@@ -60,8 +60,11 @@ def cmd_inspect(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="finefreeze", description="Freeze any part of a Keras model, exactly.")
     sub = p.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="show what a plan freezes, without training",
-                         description="Print the freeze summary of MODEL under PLAN (bundled example by default).")
+    ins = sub.add_parser(
+        "inspect",
+        help="show what a plan freezes, without training",
+        description="Print the freeze summary of MODEL under PLAN (bundled example by default).",
+    )
     ins.add_argument("model", nargs="?", help="a .keras model (default: the bundled text model)")
     ins.add_argument("--plan", help="plan file (.json, .toml, .yaml); default: the bundled plan")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -16,8 +16,7 @@ class PositionEmbedding(keras.layers.Layer):
     """Adds a learned embedding of each position to a ``(batch, seq, d)`` input."""
 
     def build(self, input_shape):
-        self.embeddings = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal",
-                                          name="embeddings")
+        self.embeddings = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="embeddings")
 
     def call(self, x):
         return x + self.embeddings
@@ -35,7 +34,7 @@ def build_text_model(vocab: int = VOCAB + NEW_TOKENS, seed: int = 0):
 
     Example:
         >>> m = build_text_model()
-        >>> m.get_layer("token_embedding").embeddings.shape
+        >>> tuple(m.get_layer("token_embedding").embeddings.shape)
         (544, 32)
     """
     from keras import layers

@@ -19,7 +19,7 @@ __all__ = ["Fingerprint", "take", "BLOCK"]
 
 BLOCK = 256
 _CHUNK_BLOCKS = 4096
-_MULT = (np.random.default_rng(20261129).integers(0, 2**63, size=BLOCK, dtype=np.uint64) * np.uint64(2) + np.uint64(1))
+_MULT = np.random.default_rng(20261129).integers(0, 2**63, size=BLOCK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
 
 def _words(value: np.ndarray) -> np.ndarray:
@@ -110,7 +110,9 @@ def _describe(diff, shape, n_blocks) -> str:
     for b in diff[:3]:
         lo, hi = int(b) * BLOCK, min(size, (int(b) + 1) * BLOCK) - 1
         if shape:
-            parts.append(f"{tuple(int(x) for x in np.unravel_index(lo, shape))}..{tuple(int(x) for x in np.unravel_index(hi, shape))}")
+            parts.append(
+                f"{tuple(int(x) for x in np.unravel_index(lo, shape))}..{tuple(int(x) for x in np.unravel_index(hi, shape))}"
+            )
         else:
             parts.append("()")
     more = f" and {diff.size - 3} more blocks" if diff.size > 3 else ""

@@ -37,10 +37,10 @@ class Freezer:
     Example:
         >>> import keras, finefreeze as ff
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
-        ...                           keras.layers.Dense(2, name="head")])
+        ...                           keras.layers.Dense(2, name="head")], name="net")
         >>> frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), ff.train("**/head/**")]))
         >>> [v.path for v in frz.trainable_variables]
-        ['sequential/head/kernel', 'sequential/head/bias']
+        ['net/head/kernel', 'net/head/bias']
     """
 
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto"):
@@ -88,8 +88,7 @@ class Freezer:
 
             paths = [p for s in self._res.states for p in s.info.names]
             raise PlanError(
-                f"no variable with path {path!r} in this target; closest: "
-                f"{', '.join(_closest(path, paths))}."
+                f"no variable with path {path!r} in this target; closest: {', '.join(_closest(path, paths))}."
             )
         return st
 
@@ -112,8 +111,9 @@ class Freezer:
         st = self._state(path)
         if st.state != PARTIAL:
             return None
-        return choose(self._strategy, st.n_trainable, st.info.size,
-                      getattr(st.variable, "constraint", None) is not None)
+        return choose(
+            self._strategy, st.n_trainable, st.info.size, getattr(st.variable, "constraint", None) is not None
+        )
 
     # -- flags and fingerprints ----------------------------------------------
     def activate(self) -> Freezer:
@@ -185,8 +185,7 @@ class Freezer:
         """
         from finefreeze._optimizer import FreezingOptimizer
 
-        return FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy,
-                                 _resolution=self._res)
+        return FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy, _resolution=self._res)
 
     # -- reports -----------------------------------------------------------------
     def report(self) -> dict:
@@ -214,5 +213,7 @@ class Freezer:
 
     def __repr__(self) -> str:
         r = self.report()["totals"]
-        return (f"<Freezer {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
-                f"elements in {r['variables']} variables>")
+        return (
+            f"<Freezer {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
+            f"elements in {r['variables']} variables>"
+        )

@@ -29,6 +29,7 @@ try:  # keras >= 3.0 exposes tracking here
 
     _no_tracking = _tracking.no_automatic_dependency_tracking
 except Exception:  # pragma: no cover
+
     def _no_tracking(fn):
         return fn
 
@@ -70,7 +71,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     partially frozen ones use a strategy: ``"restore"`` (exact for every
     optimizer, dense state), ``"compact"`` (exact, state only for trainable
     elements), ``"mask"`` (gradient masking alone, inexact, warned) or
-    ``"auto"`` (compact below 10 % trainable, else restore).
+    ``"auto"`` (compact when at most 5 % of a variable trains, else
+    restore).
 
     Args:
         inner_optimizer: any ``keras.optimizers.Optimizer`` except a
@@ -114,8 +116,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             )
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(
-                f"inner_optimizer must be a keras.optimizers.Optimizer, got "
-                f"{type(inner_optimizer).__name__}."
+                f"inner_optimizer must be a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}."
             )
         if strategy not in STRATEGIES:
             raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
@@ -222,8 +223,15 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 slot = Slot(path, v, "train", shape, lr_scale)
             else:
                 slot = self._partial_slot(v, path, shape, mask, n_trainable, lr_scale)
-                layout.append({"path": path, "strategy": slot.kind, "shape": list(shape),
-                               "n_trainable": int(n_trainable), "lr_scale": lr_scale})
+                layout.append(
+                    {
+                        "path": path,
+                        "strategy": slot.kind,
+                        "shape": list(shape),
+                        "n_trainable": int(n_trainable),
+                        "lr_scale": lr_scale,
+                    }
+                )
             if slot.kind == "train" and lr_scale != 1.0:
                 layout.append({"path": path, "strategy": "train", "shape": list(shape), "lr_scale": lr_scale})
             slots.by_id[id(v)] = slot
@@ -251,14 +259,17 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             idx = mask.trainable_flat_indices().astype(np.int32) if kind == "compact" else None
         safe = path.replace("/", ".")
         if kind == "compact":
-            index = self.add_variable(shape=idx.shape, dtype="int32", name=f"{safe}.index",
-                                      initializer=_const(idx), aggregation="none")
+            index = self.add_variable(
+                shape=idx.shape, dtype="int32", name=f"{safe}.index", initializer=_const(idx), aggregation="none"
+            )
             # Refilled from the model variable at every step (gather).
-            shadow = self.add_variable(shape=idx.shape, dtype=v.dtype, name=f"{safe}.compact",
-                                       initializer="zeros", aggregation="none")
+            shadow = self.add_variable(
+                shape=idx.shape, dtype=v.dtype, name=f"{safe}.compact", initializer="zeros", aggregation="none"
+            )
             return Slot(path, v, kind, shape, lr_scale, index=index, shadow=shadow)
-        m = self.add_variable(shape=shape, dtype="bool", name=f"{safe}.frozen_mask",
-                              initializer=_const(dense), aggregation="none")
+        m = self.add_variable(
+            shape=shape, dtype="bool", name=f"{safe}.frozen_mask", initializer=_const(dense), aggregation="none"
+        )
         return Slot(path, v, kind, shape, lr_scale, mask=m)
 
     def _warn_mask(self):
@@ -285,9 +296,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
         if len(grads) != len(trainable_variables):
-            raise ValueError(
-                f"got {len(grads)} gradients for {len(trainable_variables)} variables."
-            )
+            raise ValueError(f"got {len(grads)} gradients for {len(trainable_variables)} variables.")
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
@@ -356,8 +365,13 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         plan = config.pop("plan", None)
         layout = config.pop("layout", None)
-        return cls(inner, Plan.from_dict(plan) if plan else None, strategy=config.pop("strategy", "auto"),
-                   name=config.pop("name", None), _layout=layout)
+        return cls(
+            inner,
+            Plan.from_dict(plan) if plan else None,
+            strategy=config.pop("strategy", "auto"),
+            name=config.pop("name", None),
+            _layout=layout,
+        )
 
 
 def _match_layout(path, entries):
@@ -380,8 +394,15 @@ def _layout_from_resolution(res, strategy):
     for s in res.states:
         if s.state == PARTIAL:
             kind = choose(strategy, s.n_trainable, s.info.size, getattr(s.variable, "constraint", None) is not None)
-            entries.append({"path": s.path, "strategy": kind, "shape": list(s.info.shape),
-                            "n_trainable": s.n_trainable, "lr_scale": s.lr_scale})
+            entries.append(
+                {
+                    "path": s.path,
+                    "strategy": kind,
+                    "shape": list(s.info.shape),
+                    "n_trainable": s.n_trainable,
+                    "lr_scale": s.lr_scale,
+                }
+            )
     return {"variables": entries, "frozen": sorted(s.path for s in res.states if s.state == FROZEN)}
 
 

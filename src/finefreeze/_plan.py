@@ -4,7 +4,8 @@ element decides it."""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from finefreeze._errors import PlanError
 from finefreeze._rules import Rule, freeze, train
@@ -112,7 +113,9 @@ class Plan:
             PlanError: unknown keys, a rule with no or two actions, bad values.
         """
         if not isinstance(d, Mapping):
-            raise PlanError(f"{source}: a plan is a mapping with 'rules' (and optionally 'strict'); got {type(d).__name__}.")
+            raise PlanError(
+                f"{source}: a plan is a mapping with 'rules' (and optionally 'strict'); got {type(d).__name__}."
+            )
         unknown = set(d) - {"strict", "rules"}
         if unknown:
             raise PlanError(f"{source}: unknown plan keys {sorted(unknown)}; a plan has 'rules' and 'strict'.")
@@ -126,20 +129,24 @@ class Plan:
         for i, r in enumerate(raw):
             where = f"{source}: rule {i + 1}"
             if not isinstance(r, Mapping):
-                raise PlanError(f"{where}: each rule is a mapping like {{\"freeze\": \"encoder/**\"}}; got {r!r}.")
+                raise PlanError(f'{where}: each rule is a mapping like {{"freeze": "encoder/**"}}; got {r!r}.')
             actions = [k for k in ("freeze", "train") if k in r]
             if len(actions) != 1:
                 raise PlanError(f"{where}: a rule has exactly one of 'freeze' or 'train'; got keys {sorted(r)}.")
             action = actions[0]
             extra = set(r) - {action} - _RULE_KEYS
             if extra:
-                raise PlanError(f"{where}: unknown keys {sorted(extra)}; allowed: {action}, {', '.join(sorted(_RULE_KEYS))}.")
+                raise PlanError(
+                    f"{where}: unknown keys {sorted(extra)}; allowed: {action}, {', '.join(sorted(_RULE_KEYS))}."
+                )
             kwargs = {}
             if "mask" in r:
                 import numpy as np
 
                 try:
-                    kwargs["mask"] = np.asarray(r["mask"], dtype=bool) if _all_bool(r["mask"]) else np.asarray(r["mask"])
+                    kwargs["mask"] = (
+                        np.asarray(r["mask"], dtype=bool) if _all_bool(r["mask"]) else np.asarray(r["mask"])
+                    )
                 except ValueError as e:
                     raise PlanError(f"{where}: mask is not a rectangular array: {e}") from None
             if "indices" in r:

@@ -23,9 +23,7 @@ def _yaml():
     try:
         import yaml
     except ImportError:
-        raise ImportError(
-            "YAML plan files need PyYAML: pip install 'finefreeze[yaml]'"
-        ) from None
+        raise ImportError("YAML plan files need PyYAML: pip install 'finefreeze[yaml]'") from None
     return yaml
 
 

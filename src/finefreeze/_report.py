@@ -25,25 +25,36 @@ def build_report(frz) -> dict:
         else:
             adam = 0
         layer = s.path.rsplit("/", 1)[0] if "/" in s.path else ""
-        variables.append({
-            "path": s.path,
-            "layer": layer,
-            "shape": list(s.info.shape),
-            "dtype": s.info.dtype,
-            "elements": size,
-            "trainable_elements": s.n_trainable,
-            "frozen_elements": size - s.n_trainable if s.state != UNTRAINED else 0,
-            "state": s.state,
-            "strategy": strategy,
-            "lr_scale": s.lr_scale,
-            "adam_state_elements": adam,
-            "decided_by": [{"rule": _decider(plan, i), "elements": n} for i, n in s.decided_by],
-        })
+        variables.append(
+            {
+                "path": s.path,
+                "layer": layer,
+                "shape": list(s.info.shape),
+                "dtype": s.info.dtype,
+                "elements": size,
+                "trainable_elements": s.n_trainable,
+                "frozen_elements": size - s.n_trainable if s.state != UNTRAINED else 0,
+                "state": s.state,
+                "strategy": strategy,
+                "lr_scale": s.lr_scale,
+                "adam_state_elements": adam,
+                "decided_by": [{"rule": _decider(plan, i), "elements": n} for i, n in s.decided_by],
+            }
+        )
     layers: dict[str, dict] = {}
     for v in variables:
-        row = layers.setdefault(v["layer"], {"layer": v["layer"], "elements": 0, "trainable_elements": 0,
-                                             "frozen_elements": 0, "untrained_elements": 0,
-                                             "adam_state_elements": 0, "variables": []})
+        row = layers.setdefault(
+            v["layer"],
+            {
+                "layer": v["layer"],
+                "elements": 0,
+                "trainable_elements": 0,
+                "frozen_elements": 0,
+                "untrained_elements": 0,
+                "adam_state_elements": 0,
+                "variables": [],
+            },
+        )
         row["elements"] += v["elements"]
         row["trainable_elements"] += v["trainable_elements"]
         row["frozen_elements"] += v["frozen_elements"]
@@ -90,22 +101,44 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
     head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", "Adam state", "Decided by")
     rows = []
     for layer in rep["layers"]:
-        rows.append((layer["layer"] or "(root)", "", f"{layer['elements']:,}", f"{layer['trainable_elements']:,}",
-                     f"{layer['frozen_elements']:,}", _fmt_state(layer), f"{layer['adam_state_elements']:,}", ""))
+        rows.append(
+            (
+                layer["layer"] or "(root)",
+                "",
+                f"{layer['elements']:,}",
+                f"{layer['trainable_elements']:,}",
+                f"{layer['frozen_elements']:,}",
+                _fmt_state(layer),
+                f"{layer['adam_state_elements']:,}",
+                "",
+            )
+        )
         if variables:
             for p in layer["variables"]:
                 v = by_path[p]
                 name = "  " + p.rsplit("/", 1)[-1]
                 state = _fmt_state(v) + (f" [{v['strategy']}]" if v["strategy"] else "")
                 deciders = "; ".join(d["rule"] for d in v["decided_by"])
-                rows.append((name, str(tuple(v["shape"])), f"{v['elements']:,}", f"{v['trainable_elements']:,}",
-                             f"{v['frozen_elements']:,}", state, f"{v['adam_state_elements']:,}", deciders))
+                rows.append(
+                    (
+                        name,
+                        str(tuple(v["shape"])),
+                        f"{v['elements']:,}",
+                        f"{v['trainable_elements']:,}",
+                        f"{v['frozen_elements']:,}",
+                        state,
+                        f"{v['adam_state_elements']:,}",
+                        deciders,
+                    )
+                )
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
     widths[-1] = min(widths[-1], 60)
 
     def line(r):
-        cells = [str(c)[:widths[i]] if i == len(r) - 1 else str(c) for i, c in enumerate(r)]
-        return "  ".join(c.ljust(w) if i in (0, 1, 5, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        cells = [str(c)[: widths[i]] if i == len(r) - 1 else str(c) for i, c in enumerate(r)]
+        return "  ".join(
+            c.ljust(w) if i in (0, 1, 5, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     rule = "─" * (sum(widths) + 2 * (len(widths) - 1))
     t = rep["totals"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,12 @@ class Rule:
 
     Build rules with :func:`freeze` and :func:`train`; ``repr(rule)`` reads
     like the line that made it.
+
+    Example:
+        >>> import finefreeze as ff
+        >>> rule = ff.freeze("encoder/**")
+        >>> rule.action, rule.to_dict()
+        ('freeze', {'freeze': 'encoder/**'})
     """
 
     action: str  # "freeze" | "train"
@@ -114,7 +121,12 @@ def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
             f"the variable's numpy value and returning a bool array; got {type(where).__name__}."
         )
     if lr_scale is not None:
-        if isinstance(lr_scale, bool) or not isinstance(lr_scale, (int, float)) or not math.isfinite(lr_scale) or lr_scale < 0:
+        if (
+            isinstance(lr_scale, bool)
+            or not isinstance(lr_scale, (int, float))
+            or not math.isfinite(lr_scale)
+            or lr_scale < 0
+        ):
             raise PlanError(
                 f"train({selector!r}, lr_scale={lr_scale!r}): lr_scale must be a "
                 "finite number >= 0 (0 is not freezing: use freeze for that)."

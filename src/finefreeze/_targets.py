@@ -223,9 +223,7 @@ def _collect_module(module) -> Target:
     tf = _tf()
     import keras
 
-    pairs = module._flatten(
-        predicate=lambda x: isinstance(x, (tf.Variable, keras.Variable)), with_path=True
-    )
+    pairs = module._flatten(predicate=lambda x: isinstance(x, (tf.Variable, keras.Variable)), with_path=True)
     by_id: dict[int, list] = {}
     order: list = []
     for path, v in pairs:
@@ -247,8 +245,9 @@ def _collect_module(module) -> Target:
         shape, dtype = _shape_dtype(v)
         is_keras = isinstance(v, keras.Variable)
         infos.append(
-            VarInfo(names[0], tuple(names), v, v.value if is_keras else v, shape, dtype,
-                    None, base_trainable(v), is_keras)
+            VarInfo(
+                names[0], tuple(names), v, v.value if is_keras else v, shape, dtype, None, base_trainable(v), is_keras
+            )
         )
     layers = [module] + list(module.submodules)
     return Target(module, "module", infos, layers)
