@@ -332,3 +332,25 @@ def test_transformer_with_frozen_token_embedding_rows():
     assert np.array_equal(emb_b[:50], emb_a[:50])
     assert not np.array_equal(emb_b[50:], emb_a[50:])
     frz.verify()
+
+
+@pytest.mark.parametrize("strategy", ["restore", "compact"])
+def test_custom_loop_with_apply(strategy):
+    w = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4), name="w")
+    b = keras.Variable(np.zeros(4, "float32"), name="b")
+    frz = ff.Freezer([w, b], ff.Plan([ff.freeze("w[:, 1:]")]), strategy=strategy)
+    opt = frz.wrap(keras.optimizers.AdamW(0.1, weight_decay=0.5))
+    before = w.numpy().copy()
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(w.value)) + tf.reduce_sum(b.value)
+        opt.apply(tape.gradient(loss, frz.trainable_variables), frz.trainable_variables)
+
+    for _ in range(3):
+        step()
+    assert np.array_equal(w.numpy()[:, 1:], before[:, 1:])
+    assert not np.array_equal(w.numpy()[:, 0], before[:, 0])
+    assert opt.iterations.numpy() == 3
+    frz.verify()
