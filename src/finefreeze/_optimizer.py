@@ -183,6 +183,12 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             st = res.lookup(v)
             if st is None:
                 out.append((v, TRAINABLE, None, None, 1.0))
+            elif st.lr_scales is not None:
+                raise PlanError(
+                    f"variable {st.path!r} (shape {st.info.shape}) has trainable elements with "
+                    "different lr_scale values; one lr_scale per variable is supported. "
+                    "Give the rules that train this variable the same lr_scale."
+                )
             elif st.state in (FROZEN, UNTRAINED):
                 out.append((v, FROZEN, None, None, 1.0))
             else:
