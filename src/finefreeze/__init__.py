@@ -6,6 +6,7 @@ Example:
     Plan([freeze('**'), train('head/**')])
 """
 
+from finefreeze._delta import load_delta as load_delta
 from finefreeze._errors import DeltaError as DeltaError
 from finefreeze._errors import FreezeWarning as FreezeWarning
 from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
@@ -29,5 +30,6 @@ __all__ = [
     "Rule",
     "__version__",
     "freeze",
+    "load_delta",
     "train",
 ]

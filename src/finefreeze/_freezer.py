@@ -187,6 +187,25 @@ class Freezer:
 
         return FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy, _resolution=self._res)
 
+    # -- delta files -------------------------------------------------------------
+    def save_delta(self, path) -> dict:
+        """Write only what training may have changed to a safetensors file.
+
+        Trainable variables in full, partially frozen ones as flat indices
+        and values of their trainable elements, with metadata: the plan, a
+        fingerprint of the frozen part, shapes, dtypes, library version. The
+        write is atomic.
+
+        Args:
+            path: the ``.safetensors`` file to write.
+
+        Returns:
+            ``{"path", "bytes", "tensors"}``.
+        """
+        from finefreeze._delta import save_delta
+
+        return save_delta(self, path)
+
     # -- reports -----------------------------------------------------------------
     def report(self) -> dict:
         """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`."""
