@@ -49,28 +49,15 @@ def _decode_index(p: str, tensors) -> np.ndarray:
     return tensors[f"{p}::index"].astype(np.int64)
 
 
-def _entries(frz):
-    """``(path, variable, kind, frozen bool mask or None)`` per variable."""
-    res = frz.resolution
-    bn_vars = {id(v) for layer in res.frozen_layers for v in layer.weights}
-    for s in res.states:
-        if s.state == "trainable":
-            yield s.path, s.variable, "trainable", None
-        elif s.state == "partial":
-            yield s.path, s.variable, "partial", s.mask
-        elif s.state == "frozen" or id(s.variable) in bn_vars:
-            yield s.path, s.variable, "frozen", None
-        else:  # moving statistics of layers still training may change
-            yield s.path, s.variable, "untrained", None
-
-
 def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
     """Write the delta of ``frz``'s target to ``path``; return a summary."""
     from safetensors.numpy import save_file
 
     tensors: dict[str, np.ndarray] = {}
     meta_vars = {}
-    for p, var, kind, mask in _entries(frz):
+    res = frz.resolution
+    for st in res.states:
+        p, var, kind, mask = st.path, st.variable, res.kind_of(st), st.mask
         value = np.ascontiguousarray(np.asarray(var.numpy()))
         info = {"shape": list(value.shape), "dtype": str(value.dtype), "kind": kind}
         if kind in ("trainable", "untrained"):

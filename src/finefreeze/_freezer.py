@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -11,6 +12,11 @@ from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
 from finefreeze._strategies import STRATEGIES, choose
 from finefreeze._targets import base_trainable, collect, remember_base
+
+if TYPE_CHECKING:
+    import keras
+
+    from finefreeze._optimizer import FreezingOptimizer
 
 __all__ = ["Freezer"]
 
@@ -151,11 +157,9 @@ class Freezer:
         return self
 
     def _fingerprint_items(self):
-        bn_vars = {id(v) for layer in self._res.frozen_layers for v in layer.weights}
         for s in self._res.states:
-            if s.state == FROZEN or (s.state == UNTRAINED and id(s.variable) in bn_vars):
-                yield s.path, s.variable, s.info.shape, None
-            elif s.state == PARTIAL:
+            kind = self._res.kind_of(s)
+            if kind in (FROZEN, PARTIAL):
                 yield s.path, s.variable, s.info.shape, s.mask
 
     def _take_fingerprint(self):
@@ -173,7 +177,7 @@ class Freezer:
         self._fingerprint.verify()
 
     # -- optimizer -------------------------------------------------------------
-    def wrap(self, optimizer, *, strategy: str | None = None):
+    def wrap(self, optimizer: keras.optimizers.Optimizer, *, strategy: str | None = None) -> FreezingOptimizer:
         """Return a :class:`FreezingOptimizer` around ``optimizer`` for this plan.
 
         Args:
@@ -213,7 +217,7 @@ class Freezer:
 
         return build_report(self)
 
-    def summary(self, *, variables: bool = True, print_fn=None) -> str:
+    def summary(self, *, variables: bool = True, print_fn: Callable[[str], Any] | None = None) -> str:
         """A table like ``model.summary()``: per layer, then per variable.
 
         Args:

@@ -24,14 +24,7 @@ from finefreeze._targets import var_path
 
 __all__ = ["FreezingOptimizer", "inexact_reasons"]
 
-try:  # keras >= 3.0 exposes tracking here
-    from keras.src.utils import tracking as _tracking
-
-    _no_tracking = _tracking.no_automatic_dependency_tracking
-except Exception:  # pragma: no cover
-
-    def _no_tracking(fn):
-        return fn
+from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
 
 def inexact_reasons(opt) -> list[str]:
@@ -59,7 +52,6 @@ class _Slots:
     def __init__(self):
         self.by_id: dict[int, Slot] = {}
         self.frozen_ids: set[int] = set()
-        self.frozen_paths: list[str] = []
         self.ordered: list[Slot] = []
 
 
@@ -211,56 +203,69 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 out.append((v, state, e, e.get("n_trainable"), e.get("lr_scale", 1.0)))
         return out
 
+    def _kind(self, variable, n_trainable: int) -> str:
+        """The concrete strategy of one partially frozen variable."""
+        size = int(np.prod(variable.shape, dtype=np.int64))
+        kind = choose(self._strategy, n_trainable, size, getattr(variable, "constraint", None) is not None)
+        if kind == "compact" and isinstance(self.inner_optimizer, keras.optimizers.MultiOptimizer):
+            return "restore"  # MultiOptimizer routes by the model variable's path
+        return kind
+
+    def _layout_for(self, decisions) -> dict:
+        """What the config records so that a loaded optimizer builds the same slots."""
+        entries, frozen = [], []
+        for v, state, mask, n_trainable, lr_scale in decisions:
+            path, shape = var_path(v), [int(d) for d in v.shape]
+            if state == FROZEN:
+                frozen.append(path)
+            elif state == PARTIAL:
+                kind = mask["strategy"] if isinstance(mask, dict) else self._kind(v, n_trainable)
+                entries.append(
+                    {
+                        "path": path,
+                        "strategy": kind,
+                        "shape": shape,
+                        "n_trainable": int(n_trainable),
+                        "lr_scale": lr_scale,
+                    }
+                )
+            elif lr_scale != 1.0:
+                entries.append({"path": path, "strategy": "train", "shape": shape, "lr_scale": lr_scale})
+        return {"variables": entries, "frozen": sorted(frozen)}
+
     @_no_tracking
     def build(self, var_list):
         if self.built:
             return
+        decisions = self._decisions(var_list)
+        if self._layout is None:
+            self._layout = self._layout_for(decisions)
         slots = _Slots()
-        inner_vars = []
-        layout = []
-        for v, state, mask, n_trainable, lr_scale in self._decisions(var_list):
+        for v, state, mask, n_trainable, lr_scale in decisions:
             path = var_path(v)
             if state == FROZEN:
                 slots.frozen_ids.add(id(v))
-                slots.frozen_paths.append(path)
                 continue
             shape = tuple(int(d) for d in v.shape)
             if state == TRAINABLE:
                 slot = Slot(path, v, "train", shape, lr_scale)
             else:
                 slot = self._partial_slot(v, path, shape, mask, n_trainable, lr_scale)
-                layout.append(
-                    {
-                        "path": path,
-                        "strategy": slot.kind,
-                        "shape": list(shape),
-                        "n_trainable": int(n_trainable),
-                        "lr_scale": lr_scale,
-                    }
-                )
-            if slot.kind == "train" and lr_scale != 1.0:
-                layout.append({"path": path, "strategy": "train", "shape": list(shape), "lr_scale": lr_scale})
             slots.by_id[id(v)] = slot
             slots.ordered.append(slot)
-            inner_vars.append(slot.inner_variable)
         self._slots = slots
-        if self._layout is None:
-            self._layout = {"variables": layout, "frozen": sorted(slots.frozen_paths)}
-        if self._strategy == "mask" or any(s.kind == "mask" for s in slots.ordered):
+        if any(s.kind == "mask" for s in slots.ordered):
             self._warn_mask()
-        self.inner_optimizer.build(inner_vars)
+        self.inner_optimizer.build([s.inner_variable for s in slots.ordered])
         super().build(var_list)
 
     def _partial_slot(self, v, path, shape, mask, n_trainable, lr_scale) -> Slot:
-        has_constraint = getattr(v, "constraint", None) is not None
         if isinstance(mask, dict):  # from a saved layout: values arrive on load
             kind = mask["strategy"]
             dense = np.ones(shape, dtype=bool)
             idx = np.full((n_trainable,), -1, dtype=np.int32)
         else:
-            kind = choose(self._strategy, n_trainable, int(np.prod(shape, dtype=np.int64)), has_constraint)
-            if kind == "compact" and isinstance(self.inner_optimizer, keras.optimizers.MultiOptimizer):
-                kind = "restore"  # MultiOptimizer routes by the model variable's path
+            kind = self._kind(v, n_trainable)
             dense = mask.dense()
             idx = mask.trainable_flat_indices().astype(np.int32) if kind == "compact" else None
         safe = path.replace("/", ".")
@@ -356,7 +361,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 plan = None
         layout = self._layout
         if layout is None and self._resolution is not None:
-            layout = _layout_from_resolution(self._resolution, self._strategy)
+            layout = self._layout_for(self._decisions([]))
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -393,23 +398,6 @@ def _match_layout(path, entries):
             f"({', '.join(e['path'] for e in near)}); give layers unique names."
         )
     return near[0] if near else None
-
-
-def _layout_from_resolution(res, strategy):
-    entries = []
-    for s in res.states:
-        if s.state == PARTIAL:
-            kind = choose(strategy, s.n_trainable, s.info.size, getattr(s.variable, "constraint", None) is not None)
-            entries.append(
-                {
-                    "path": s.path,
-                    "strategy": kind,
-                    "shape": list(s.info.shape),
-                    "n_trainable": s.n_trainable,
-                    "lr_scale": s.lr_scale,
-                }
-            )
-    return {"variables": entries, "frozen": sorted(s.path for s in res.states if s.state == FROZEN)}
 
 
 def _const(value):

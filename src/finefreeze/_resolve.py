@@ -80,6 +80,15 @@ class Resolution:
             for n in s.info.names:
                 by_name.setdefault(n, s)
         object.__setattr__(self, "_by_name", by_name)
+        object.__setattr__(self, "_layer_frozen_ids", {id(v) for layer in self.frozen_layers for v in layer.weights})
+
+    def kind_of(self, s: VarState) -> str:
+        """How a variable is kept: ``trainable``, ``partial``, ``frozen`` or
+        ``untrained``; moving statistics of a layer frozen as a layer count
+        as ``frozen`` (they must not move), others as ``untrained``."""
+        if s.state == UNTRAINED and id(s.variable) in self._layer_frozen_ids:
+            return FROZEN
+        return s.state
 
     def lookup(self, variable) -> VarState | None:
         s = self._by_id.get(id(variable))

@@ -48,9 +48,15 @@ def _tf():
     return tf
 
 
-def _read(v):
+def _tf_variable(v):
+    """The ``tf.Variable`` behind a Keras variable (or the variable itself)."""
     tf = _tf()
-    return tf.identity(v.value if hasattr(v, "value") and not isinstance(v, tf.Variable) else v)
+    return v if isinstance(v, tf.Variable) else v.value
+
+
+def _read(v):
+    """A snapshot tensor of the variable's current value."""
+    return _tf().identity(_tf_variable(v))
 
 
 def _unravel(tf, flat, shape):
@@ -90,12 +96,12 @@ class Slot:
         """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps)."""
         tf = _tf()
         if self.kind == "compact":
-            flat = tf.reshape(_read(self.variable), [-1])
-            values = tf.gather(flat, self.index.value)
+            idx = self.index.value
+            values = tf.gather(tf.reshape(_read(self.variable), [-1]), idx)
             self.shadow.assign(values)
             g = None
             if grad is not None:
-                g = tf.gather(tf.reshape(tf.convert_to_tensor(grad), [-1]), self.index.value)
+                g = tf.gather(tf.reshape(tf.convert_to_tensor(grad), [-1]), idx)
             return g, (values if self.lr_scale != 1.0 else None)
         old = _read(self.variable) if self.needs_snapshot() else None
         if grad is None or self.kind == "train":
@@ -115,13 +121,7 @@ class Slot:
             new = self.shadow.value
             if old is not None:
                 new = old + tf.cast(self.lr_scale, new.dtype) * (new - old)
-            idx = _unravel(tf, self.index.value, self.shape)
-            target = (
-                self.variable.value
-                if hasattr(self.variable, "value") and not isinstance(self.variable, tf.Variable)
-                else self.variable
-            )
-            target.scatter_nd_update(idx, new)
+            _tf_variable(self.variable).scatter_nd_update(_unravel(tf, self.index.value, self.shape), new)
             return
         if old is None:
             return
