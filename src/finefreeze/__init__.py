@@ -6,6 +6,7 @@ Example:
     Plan([freeze('**'), train('head/**')])
 """
 
+from finefreeze import callbacks as callbacks
 from finefreeze._delta import load_delta as load_delta
 from finefreeze._errors import DeltaError as DeltaError
 from finefreeze._errors import FreezeWarning as FreezeWarning
@@ -29,6 +30,7 @@ __all__ = [
     "PlanError",
     "Rule",
     "__version__",
+    "callbacks",
     "freeze",
     "load_delta",
     "train",

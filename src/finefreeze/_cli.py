@@ -1,4 +1,9 @@
-"""The ``finefreeze`` command line: ``inspect`` a model against a plan."""
+"""The ``finefreeze`` command line: ``finetune``, ``inspect``, ``verify``, ``delta``.
+
+Every command has ``--help``. User mistakes (missing files, bad plans, data
+that does not fit the model, unknown optimizers) exit with status 2 and one
+line on stderr; ``verify`` exits 1 when a frozen element changed.
+"""
 
 from __future__ import annotations
 
@@ -7,49 +12,47 @@ import json
 import os
 import sys
 
-__all__ = ["main"]
+from finefreeze._finetune import UserError, load_model, load_plan
 
-
-class UserError(Exception):
-    """A mistake in the command line or its files: exit 2, one line."""
+__all__ = ["main", "build_parser"]
 
 
 def _quiet_tf():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
-def _load_model(path):
-    import keras
+def _bundled_model():
+    from finefreeze._example import build_text_model
 
-    if path is None:
-        from finefreeze._example import build_text_model
-
-        return build_text_model()
-    if not os.path.exists(path):
-        raise UserError(f"model file {path!r} does not exist")
-    try:
-        return keras.models.load_model(path, compile=False)
-    except Exception as e:
-        raise UserError(f"cannot load model {path!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    return build_text_model()
 
 
-def _load_plan(path):
-    from finefreeze._plan import Plan
+def cmd_finetune(args) -> int:
+    from finefreeze._finetune import finetune
 
-    if path is None:
-        from finefreeze._example import DEFAULT_PLAN
-
-        return Plan.from_dict(DEFAULT_PLAN, source="bundled plan")
-    if not os.path.exists(path):
-        raise UserError(f"plan file {path!r} does not exist")
-    return Plan.load(path)
+    result = finetune(
+        args.model,
+        data=args.data,
+        plan=args.plan,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        strategy=args.strategy,
+        out=args.out,
+        verbose=0 if args.quiet else 1,
+        print_fn=(lambda *a, **k: None) if args.quiet else print,
+    )
+    print(result.line())
+    return 0 if result.verified else 1
 
 
 def cmd_inspect(args) -> int:
     from finefreeze._freezer import Freezer
 
-    model = _load_model(args.model)
-    frz = Freezer(model, _load_plan(args.plan))
+    model = _bundled_model() if args.model is None else load_model(args.model)
+    frz = Freezer(model, load_plan(args.plan, model_file=args.model))
     if args.json:
         print(json.dumps(frz.report(), indent=2))
     else:
@@ -57,19 +60,122 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    from finefreeze._errors import FrozenValueChanged
+    from finefreeze._freezer import Freezer
+
+    plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
+    base, tuned = load_model(args.base), load_model(args.tuned)
+    frz = Freezer(tuned, plan)
+    try:
+        frz.verify(reference=base)
+    except FrozenValueChanged as e:
+        print(f"FAILED: frozen elements differ between {args.base} and {args.tuned}:")
+        for path, where in e.violations:
+            print(f"  {path}: {where}")
+        return 1
+    t = frz.report()["totals"]
+    print(f"OK: all {t['frozen_elements']:,} frozen elements of {args.tuned} are bit-identical to {args.base}")
+    return 0
+
+
+def cmd_delta_export(args) -> int:
+    from finefreeze._freezer import Freezer
+
+    plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
+    frz = Freezer(load_model(args.tuned), plan)
+    info = frz.save_delta(args.output)
+    print(f"wrote {info['path']}: {info['tensors']} tensors, {info['bytes']:,} bytes")
+    return 0
+
+
+def cmd_delta_apply(args) -> int:
+    from finefreeze._delta import load_delta
+    from finefreeze._errors import DeltaError
+
+    model = load_model(args.base)
+    try:
+        info = load_delta(model, args.delta)
+    except DeltaError as e:
+        raise UserError(str(e)) from None
+    model.save(args.output)
+    print(f"wrote {args.output}: {info['elements']:,} elements in {info['variables']} variables from {args.delta}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command."""
     p = argparse.ArgumentParser(prog="finefreeze", description="Freeze any part of a Keras model, exactly.")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ft = sub.add_parser(
+        "finetune",
+        help="fine-tune a model under a plan (bundled example by default)",
+        description=(
+            "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
+            "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to --out. "
+            "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
+            "plan that trains only the new embedding rows and the head."
+        ),
+    )
+    ft.add_argument("model", nargs="?", help="a .keras model (default: the bundled text model)")
+    ft.add_argument("--data", help=".npz with x, y (optional x_val, y_val); required with MODEL")
+    ft.add_argument("--plan", help="plan file (.json, .toml, .yaml); default: the plan saved in MODEL or bundled")
+    ft.add_argument("--optimizer", default="adamw", help="a Keras optimizer name (default: adamw)")
+    ft.add_argument("--lr", type=float, default=5e-3, help="learning rate (default: 5e-3)")
+    ft.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
+    ft.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    ft.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "restore", "compact", "mask"],
+        help="how partially frozen variables are enforced (default: auto)",
+    )
+    ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
+    ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
+    ft.set_defaults(fn=cmd_finetune)
+
     ins = sub.add_parser(
         "inspect",
         help="show what a plan freezes, without training",
         description="Print the freeze summary of MODEL under PLAN (bundled example by default).",
     )
     ins.add_argument("model", nargs="?", help="a .keras model (default: the bundled text model)")
-    ins.add_argument("--plan", help="plan file (.json, .toml, .yaml); default: the bundled plan")
+    ins.add_argument("--plan", help="plan file (.json, .toml, .yaml); default: the plan saved in MODEL or bundled")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.add_argument("--layers-only", action="store_true", help="one row per layer")
     ins.set_defaults(fn=cmd_inspect)
+
+    ver = sub.add_parser(
+        "verify",
+        help="check that a fine-tune left every frozen element bit-identical",
+        description="Exit 0 when every element PLAN freezes is bit-identical in BASE and TUNED, 1 otherwise.",
+    )
+    ver.add_argument("base", help="the .keras model fine-tuning started from")
+    ver.add_argument("tuned", help="the fine-tuned .keras model")
+    ver.add_argument("--plan", help="plan file; default: the plan saved in TUNED's optimizer")
+    ver.set_defaults(fn=cmd_verify)
+
+    dl = sub.add_parser("delta", help="export or apply a delta file", description="Delta files (safetensors).")
+    dsub = dl.add_subparsers(dest="delta_command", required=True, metavar="ACTION")
+    ex = dsub.add_parser(
+        "export",
+        help="write what TUNED trained to a delta file",
+        description="Write the trainable elements of TUNED under PLAN to a .safetensors delta.",
+    )
+    ex.add_argument("tuned", help="the fine-tuned .keras model")
+    ex.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    ex.add_argument("--plan", help="plan file; default: the plan saved in TUNED's optimizer")
+    ex.set_defaults(fn=cmd_delta_export)
+    ap = dsub.add_parser(
+        "apply",
+        help="apply a delta file to its base model",
+        description="Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result.",
+    )
+    ap.add_argument("base", help="the .keras base model")
+    ap.add_argument("delta", help="the .safetensors delta")
+    ap.add_argument("-o", "--output", required=True, help="the .keras file to write")
+    ap.set_defaults(fn=cmd_delta_apply)
     return p
 
 
@@ -77,16 +183,14 @@ def main(argv=None) -> int:
     """Entry point of the ``finefreeze`` command; returns the exit code."""
     _quiet_tf()
     args = build_parser().parse_args(argv)
-    from finefreeze._errors import PlanError
+    from finefreeze._errors import DeltaError, PlanError
 
+    name = args.command + (f" {args.delta_command}" if args.command == "delta" else "")
     try:
         return args.fn(args)
-    except (UserError, PlanError) as e:
+    except (UserError, PlanError, DeltaError, ImportError) as e:
         first = str(e).strip().splitlines()[0]
-        print(f"finefreeze {args.command}: error: {first}", file=sys.stderr)
-        return 2
-    except ImportError as e:
-        print(f"finefreeze {args.command}: error: {e}", file=sys.stderr)
+        print(f"finefreeze {name}: error: {first}", file=sys.stderr)
         return 2
 
 

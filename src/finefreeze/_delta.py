@@ -83,6 +83,9 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
         save_file(tensors, tmp, metadata=metadata)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # a plain file, like any other write
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

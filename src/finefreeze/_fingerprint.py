@@ -90,16 +90,49 @@ class Fingerprint:
                     break
         return bad
 
-    def verify(self, read=None) -> None:
+    def compare(self, reference) -> list[tuple[str, str]]:
+        """Return ``(path, where)`` for each variable whose frozen elements differ
+        from the same variable of ``reference`` (a collected target), to the element.
+
+        Raises:
+            PlanError: ``reference`` lacks a variable or has another shape.
+        """
+        from finefreeze._errors import PlanError
+
+        by_path = {n: vi for vi in reference.variables for n in vi.names}
+        bad = []
+        for e in self.entries:
+            ref = by_path.get(e.path)
+            if ref is None:
+                near = [vi for n, vi in by_path.items() if n.endswith("/" + e.path) or e.path.endswith("/" + n)]
+                ref = near[0] if len(near) == 1 else None
+            if ref is None:
+                raise PlanError(f"the reference has no variable {e.path!r} (shape {e.shape}); compare the same model.")
+            if tuple(ref.shape) != tuple(e.shape):
+                raise PlanError(
+                    f"variable {e.path!r} has shape {e.shape} here but {tuple(ref.shape)} in the reference."
+                )
+            now, then = _words(np.asarray(e.variable.numpy())), _words(np.asarray(ref.variable.numpy()))
+            diff = now != then
+            if e.frozen is not None:
+                diff &= e.frozen.dense().reshape(-1)
+            idx = np.flatnonzero(diff)
+            if idx.size:
+                first = ", ".join(str(tuple(int(i) for i in np.unravel_index(j, e.shape))) for j in idx[:5])
+                more = ", ..." if idx.size > 5 else ""
+                bad.append((e.path, f"{idx.size} frozen element(s) differ at {first}{more} (shape {tuple(e.shape)})"))
+        return bad
+
+    def verify(self, read=None, reference=None) -> None:
         """Raise :class:`FrozenValueChanged` if any frozen element moved."""
-        bad = self.check(read)
+        bad = self.check(read) if reference is None else self.compare(reference)
         if bad:
             lines = "\n".join(f"  {p}: {w}" for p, w in bad)
+            since = "since they were frozen" if reference is None else "from the reference"
             raise FrozenValueChanged(
-                f"{len(bad)} variable(s) have frozen elements that changed since "
-                f"they were frozen:\n{lines}\nSomething outside the FreezingOptimizer "
-                "wrote to them (another optimizer, an assign, a weight load), or "
-                "the 'mask' strategy was used with a stateful optimizer.",
+                f"{len(bad)} variable(s) have frozen elements that changed {since}:\n{lines}\n"
+                "Something outside the FreezingOptimizer wrote to them (another optimizer, an "
+                "assign, a weight load), or the 'mask' strategy was used with a stateful optimizer.",
                 bad,
             )
 

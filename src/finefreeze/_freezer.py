@@ -167,14 +167,37 @@ class Freezer:
 
         return take(self._fingerprint_items())
 
-    def verify(self) -> None:
+    def verify(self, reference: Any = None) -> None:
         """Check that every frozen element is bit-identical to freeze time.
+
+        Args:
+            reference: optional; compare the frozen elements with the same
+                variables of this model (say, the base a fine-tune started
+                from) instead of the fingerprint, naming every changed
+                element.
 
         Raises:
             FrozenValueChanged: names each offending variable and the first
-                changed elements (to a block of 256 elements).
+                changed elements (to a block of 256 elements against the
+                fingerprint, to the element against a reference).
+            PlanError: ``reference`` lacks a variable or has another shape.
+
+        Example:
+            >>> import keras, numpy as np, finefreeze as ff
+            >>> w = keras.Variable(np.zeros((2, 2), "float32"), name="w")
+            >>> frz = ff.Freezer([w], ff.Plan([ff.freeze("w[0]")]))
+            >>> _ = w.assign([[0.0, 1.0], [5.0, 5.0]])
+            >>> frz.verify(reference=[keras.Variable(np.zeros((2, 2), "float32"), name="w")])
+            Traceback (most recent call last):
+            ...
+            finefreeze._errors.FrozenValueChanged: 1 variable(s) have frozen elements that changed from the reference:
+              w: 1 frozen element(s) differ at (0, 1) (shape (2, 2))
+            ...
         """
-        self._fingerprint.verify()
+        if reference is None:
+            self._fingerprint.verify()
+        else:
+            self._fingerprint.verify(reference=collect(reference))
 
     # -- optimizer -------------------------------------------------------------
     def wrap(self, optimizer: keras.optimizers.Optimizer, *, strategy: str | None = None) -> FreezingOptimizer:
@@ -187,9 +210,13 @@ class Freezer:
         Returns:
             The wrapping ``FreezingOptimizer``.
         """
+        import weakref
+
         from finefreeze._optimizer import FreezingOptimizer
 
-        return FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy, _resolution=self._res)
+        opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy, _resolution=self._res)
+        opt._freezer_ref = weakref.ref(self)
+        return opt
 
     # -- delta files -------------------------------------------------------------
     def save_delta(self, path) -> dict:
@@ -209,6 +236,28 @@ class Freezer:
         from finefreeze._delta import save_delta
 
         return save_delta(self, path)
+
+    def plot(self, path, *, title: str | None = None) -> str:
+        """Draw which variables and elements are frozen to an image file.
+
+        One bar per variable (per layer for large models) split into trained
+        (orange) and frozen (blue) elements, and the mask of up to four
+        partially frozen variables. Needs matplotlib
+        (``pip install 'finefreeze[plot]'``).
+
+        Args:
+            path: the image file (``.png``, ``.svg``, ``.pdf``).
+            title: replaces the default title (element totals).
+
+        Returns:
+            ``path``.
+
+        Raises:
+            ImportError: matplotlib is not installed (with the install hint).
+        """
+        from finefreeze._plot import plot
+
+        return plot(self, path, title=title)
 
     # -- reports -----------------------------------------------------------------
     def report(self) -> dict:

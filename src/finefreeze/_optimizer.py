@@ -53,6 +53,7 @@ class _Slots:
         self.by_id: dict[int, Slot] = {}
         self.frozen_ids: set[int] = set()
         self.ordered: list[Slot] = []
+        self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
 
 
 @keras.saving.register_keras_serializable(package="finefreeze")
@@ -123,6 +124,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._layout = _layout
         self._slots = _Slots()
         self._mask_warned = False
+        self._freezer_ref = None
+        self.track_gradient_norms = False
 
     # -- delegation ----------------------------------------------------------
     @property
@@ -153,6 +156,27 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
+
+    @property
+    def freezer(self):
+        """The :class:`Freezer` that made this optimizer with ``wrap``, or None."""
+        return self._freezer_ref() if self._freezer_ref is not None else None
+
+    def gradient_norms(self) -> tuple[float, float] | None:
+        """``(trainable, frozen)`` norms of the gradient the last step applied.
+
+        Recorded only while ``track_gradient_norms`` is True (``FreezeBoard``
+        turns it on). "Frozen" is the gradient that reached frozen elements
+        of partially frozen variables after enforcement: 0 under every
+        strategy; a frozen element can still move under ``mask`` (weight
+        decay, momentum), which ``Freezer.verify`` catches.
+
+        Returns:
+            The two norms, or None before the first tracked step.
+        """
+        if not self._slots.norms:
+            return None
+        return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in self._slots.norms)
 
     # -- building ------------------------------------------------------------
     def _decisions(self, var_list):
@@ -253,6 +277,12 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 slot = self._partial_slot(v, path, shape, mask, n_trainable, lr_scale)
             slots.by_id[id(v)] = slot
             slots.ordered.append(slot)
+        import tensorflow as tf
+
+        slots.norms = tuple(
+            tf.Variable(0.0, trainable=False, name=n, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            for n in ("grad_norm_trainable", "grad_norm_frozen")
+        )
         self._slots = slots
         if any(s.kind == "mask" for s in slots.ordered):
             self._warn_mask()
@@ -336,12 +366,35 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             for slot in slots.ordered:
                 if slot.kind in ("restore", "compact") and id(slot.variable) not in seen:
                     pending.append((slot, slot.prepare(None)[1]))
+        if self.track_gradient_norms:
+            self._record_norms(inner_g, inner_v)
         if inner_g:
             self.inner_optimizer.apply(inner_g, inner_v)
         else:
             self.inner_optimizer.iterations.assign_add(1)
         for slot, ctx in pending:
             slot.finish(ctx)
+
+    def _record_norms(self, grads, variables):
+        import tensorflow as tf
+
+        by_inner = {id(s.inner_variable): s for s in self._slots.ordered}
+        tn, fn = tf.constant(0.0), tf.constant(0.0)
+        for g, v in zip(grads, variables):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            g = tf.cast(g, tf.float32)
+            slot = by_inner[id(v)]
+            if slot.mask is not None:
+                frozen = tf.where(slot.mask.value, g, tf.zeros_like(g))
+                fn += tf.reduce_sum(tf.square(frozen))
+                tn += tf.reduce_sum(tf.square(g - frozen))
+            else:
+                tn += tf.reduce_sum(tf.square(g))
+        self._slots.norms[0].assign(tf.sqrt(tn))
+        self._slots.norms[1].assign(tf.sqrt(fn))
 
     def finalize_variable_values(self, var_list):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):

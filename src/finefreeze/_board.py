@@ -1,0 +1,158 @@
+"""``FreezeBoard``: what is frozen, and the proof, in TensorBoard."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import keras
+
+__all__ = ["FreezeBoard"]
+
+
+def _freezing_optimizer(model):
+    from finefreeze._optimizer import FreezingOptimizer
+
+    opt = getattr(model, "optimizer", None)
+    while opt is not None and not isinstance(opt, FreezingOptimizer):
+        opt = getattr(opt, "inner_optimizer", None)
+    return opt
+
+
+class FreezeBoard(keras.callbacks.Callback):
+    """Write the freeze plan and its enforcement to TensorBoard event files.
+
+    At the start of training (and whenever the plan changes) it writes the
+    summary table as text (``freeze/summary``), the frozen fraction of each
+    variable as scalars (``frozen_fraction/<path>``) and a mask image per
+    partially frozen variable (``frozen_mask/<path>``, at most 1024 pixels a side,
+    blocks shaded by their frozen fraction: frozen blue, trained
+    orange; matrices as they are, other shapes as ``(prod(shape[:-1]),
+    shape[-1])`` or a near-square fold of vectors; ``images="all"`` draws
+    every variable). Every ``update_freq`` batches it writes the norm of the
+    gradient applied to trainable elements (``grad_norm/trainable``) and to
+    frozen elements (``grad_norm/frozen``, 0 under every strategy), at the
+    optimizer's step.
+
+    Args:
+        log_dir: directory of the event files (created if needed).
+        freezer: the :class:`Freezer`; defaults to the one whose ``wrap``
+            made the model's optimizer.
+        update_freq: write gradient norms every this many batches.
+        images: ``"partial"`` or ``"all"``.
+
+    Raises:
+        TypeError: at the start of ``fit``, when no Freezer is given and the
+            model's optimizer is not a ``FreezingOptimizer`` made by
+            ``Freezer.wrap``.
+
+    Example:
+        >>> import keras, numpy as np, tempfile, finefreeze as ff
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
+        >>> frz = ff.Freezer(model, ff.Plan([ff.freeze("**/kernel[0]")]))
+        >>> model.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+        >>> board = ff.callbacks.FreezeBoard(tempfile.mkdtemp())
+        >>> _ = model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0, callbacks=[board])
+        >>> board.last_gradient_norms[1]
+        0.0
+    """
+
+    def __init__(
+        self, log_dir: str | os.PathLike, freezer: Any = None, *, update_freq: int = 1, images: str = "partial"
+    ):
+        super().__init__()
+        if images not in ("partial", "all"):
+            raise ValueError(f"FreezeBoard(images={images!r}): choose 'partial' or 'all'.")
+        if int(update_freq) < 1:
+            raise ValueError(f"FreezeBoard(update_freq={update_freq!r}): must be a positive number of batches.")
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = int(update_freq)
+        self.images = images
+        self._freezer = freezer
+        self._writer = None
+        self._opt = None
+        self._batches = 0
+        self._written_for = None
+        self.last_gradient_norms: tuple[float, float] | None = None
+
+    # -- plumbing --------------------------------------------------------------
+    def _tf(self):
+        import tensorflow as tf
+
+        return tf
+
+    def _resolve(self):
+        opt = _freezing_optimizer(self.model)
+        frz = self._freezer or (opt.freezer if opt is not None else None)
+        if frz is None:
+            raise TypeError(
+                "FreezeBoard needs a Freezer: compile the model with optimizer=frz.wrap(...) "
+                "or pass FreezeBoard(log_dir, freezer=frz)."
+            )
+        return frz, opt
+
+    def _step(self) -> int:
+        if self._opt is not None:
+            return int(keras.ops.convert_to_numpy(self._opt.iterations))
+        return self._batches
+
+    # -- what is written ------------------------------------------------------
+    def write_plan(self, step: int | None = None) -> None:
+        """Write the summary table, frozen fractions and mask images now."""
+        from finefreeze._maskview import frozen_fraction_image, to_rgb
+
+        tf = self._tf()
+        frz = self._freezer_now
+        step = self._step() if step is None else step
+        rep = frz.report()
+        with self._writer.as_default(step=step):
+            text = "```\n" + frz.summary() + "\n```"
+            tf.summary.text("freeze/summary", text)
+            for v in rep["variables"]:
+                trained_by_keras = v["elements"] if v["state"] != "untrained" else 0
+                if trained_by_keras:
+                    tf.summary.scalar(f"frozen_fraction/{v['path']}", v["frozen_elements"] / trained_by_keras)
+            for s in frz.resolution.states:
+                if s.info.size < 2 or (self.images == "partial" and s.state != "partial"):
+                    continue
+                img = to_rgb(frozen_fraction_image(s.frozen_mask(), max_side=1024))
+                tf.summary.image(f"frozen_mask/{s.path}", img[None], max_outputs=1)
+        self._writer.flush()
+        self._written_for = frz.resolution
+
+    def _write_norms(self) -> None:
+        norms = self._opt.gradient_norms() if self._opt is not None else None
+        if norms is None:
+            return
+        self.last_gradient_norms = norms
+        tf = self._tf()
+        with self._writer.as_default(step=self._step()):
+            tf.summary.scalar("grad_norm/trainable", norms[0])
+            tf.summary.scalar("grad_norm/frozen", norms[1])
+
+    # -- callback hooks ---------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        tf = self._tf()
+        self._freezer_now, self._opt = self._resolve()
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._writer = tf.summary.create_file_writer(self.log_dir)
+        self.write_plan()
+        if self._opt is not None and not self._opt.track_gradient_norms:
+            self._opt.track_gradient_norms = True
+            if getattr(self.model, "train_function", None) is not None:
+                self.model.make_train_function(force=True)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        if self._freezer_now.resolution is not self._written_for:
+            self.write_plan()  # the plan changed (Freezer.update)
+        if self._batches % self.update_freq == 0:
+            self._write_norms()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            if self._batches % self.update_freq:
+                self._write_norms()
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
