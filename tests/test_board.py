@@ -111,3 +111,17 @@ def test_plot_without_matplotlib_gives_the_install_hint(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'finefreeze\[plot\]'"):
         frz.plot(tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_freezeboard_writes_the_plan_again_when_it_changes(tmp_path):
+    m = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(2, name="b")], name="s"
+    )
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/a/**")]))
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+    cbs = [ff.callbacks.FreezeSchedule({1: ff.Plan([ff.freeze("**/b/**")])}), ff.callbacks.FreezeBoard(tmp_path)]
+    m.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, epochs=2, verbose=0, callbacks=cbs)
+    acc = events(tmp_path)
+    fractions = [float(make_ndarray(e.tensor_proto)) for e in acc.Tensors("frozen_fraction/s/a/kernel")]
+    assert fractions == [1.0, 0.0]
+    assert len(acc.Tensors("freeze/summary")) == 2

@@ -356,19 +356,6 @@ def test_custom_loop_with_apply(strategy):
     frz.verify()
 
 
-def test_lr_scale_scales_the_step_and_mixed_scales_in_one_variable_are_refused():
-    w = keras.Variable(np.ones((2, 2), "float32"), name="w")
-    v = keras.Variable(np.ones((2,), "float32"), name="v")
-    frz = ff.Freezer([w, v], ff.Plan([ff.train("v", lr_scale=0.5)]))
-    opt = frz.wrap(keras.optimizers.SGD(0.1))
-    opt.apply_gradients([(tf.ones((2, 2)), w), (tf.ones((2,)), v)])
-    np.testing.assert_allclose(1.0 - w.numpy(), 0.1, rtol=1e-6)
-    np.testing.assert_allclose(1.0 - v.numpy(), 0.05, rtol=1e-6)
-    mixed = ff.Freezer([w, v], ff.Plan([ff.train("w[0]", lr_scale=0.5)]))
-    with pytest.raises(ff.PlanError, match="different lr_scale values"):
-        mixed.wrap(keras.optimizers.SGD(0.1)).build(mixed.trainable_variables)
-
-
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 def test_raw_tf_variables_in_a_custom_loop(strategy):
     w = tf.Variable(np.arange(12, dtype="float32").reshape(3, 4), name="w")

@@ -60,7 +60,10 @@ class Freezer:
         self._target = collect(target)
         self._res: Resolution = resolve(plan, self._target)
         self._history: list[dict] = []
+        self._wrapped: list = []  # weak references to optimizers made by wrap()
+        self._earlier: list[tuple[str, str]] = []  # violations found at plan changes
         self.activate()
+        self._record(0, retraced=False)
 
     # -- state ----------------------------------------------------------------
     @property
@@ -131,6 +134,13 @@ class Freezer:
         Returns:
             self.
         """
+        self._set_flags()
+        self._retrace()
+        self._fingerprint = self._take_fingerprint()
+        return self
+
+    def _set_flags(self) -> bool:
+        """Set Keras flags from the resolution; return whether any changed."""
         import keras
 
         t = self._target
@@ -140,21 +150,125 @@ class Freezer:
         for vi in t.variables:
             if vi.is_keras:
                 remember_base(vi.variable)
+        changed = False
         frozen_layers = {id(x) for x in self._res.frozen_layers}
         for layer in t.layers:
             if isinstance(layer, keras.layers.BatchNormalization):
                 want = base_trainable(layer) and id(layer) not in frozen_layers
                 if layer.trainable != want:
-                    layer.trainable = want
+                    layer.trainable, changed = want, True
         for s in self._res.states:
             if s.info.is_keras and s.state != UNTRAINED:
                 want = s.state != FROZEN
                 if s.variable.trainable != want:
-                    s.variable.trainable = want
-        if isinstance(t.obj, keras.Model) and getattr(t.obj, "train_function", None) is not None:
-            t.obj.make_train_function(force=True)
+                    s.variable.trainable, changed = want, True
+        return changed
+
+    def _retrace(self) -> None:
+        import keras
+
+        obj = self._target.obj
+        if isinstance(obj, keras.Model) and getattr(obj, "train_function", None) is not None:
+            obj.make_train_function(force=True)
+
+    def _optimizers(self) -> list[FreezingOptimizer]:
+        """Live optimizers this Freezer wrapped, and a FreezingOptimizer compiled into its model."""
+        from finefreeze._board import _freezing_optimizer
+
+        opts = [o for o in (r() for r in self._wrapped) if o is not None]
+        compiled = _freezing_optimizer(self._target.obj)
+        if compiled is not None and compiled.freezer is None:  # a loaded model's optimizer
+            opts.append(compiled)
+        return opts
+
+    def update(self, plan: Plan | list) -> Freezer:
+        """Change what is frozen, between steps (also from a callback inside ``fit``).
+
+        The new plan is resolved first; a bad plan raises ``PlanError`` and
+        changes nothing. Element-mask and ``lr_scale`` changes of variables
+        that stay partially frozen take effect without retracing. Variable-level
+        changes set the Keras flags, rebuild the optimizers' slots and inner
+        optimizer (state kept for every element that stays trainable,
+        ``iterations`` kept, zero state for newly trainable elements, released
+        for newly frozen variables) and retrace the train function.
+        ``verify()`` keeps checking what was frozen before the change, up to
+        the change, and checks newly frozen elements from now on.
+
+        Args:
+            plan: the new :class:`Plan` (or list of rules).
+
+        Returns:
+            self.
+
+        Raises:
+            PlanError: the plan does not resolve; nothing changed.
+
+        Example:
+            >>> import keras, numpy as np, finefreeze as ff
+            >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="a"),
+            ...                       keras.layers.Dense(2, name="b")], name="m")
+            >>> frz = ff.Freezer(m, ff.Plan([ff.freeze("**/a/**")]))
+            >>> m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+            >>> _ = m.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+            >>> _ = frz.update(ff.Plan([ff.freeze("**/b/**")]))
+            >>> _ = m.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+            >>> [v.path for v in frz.trainable_variables]
+            ['m/a/kernel', 'm/a/bias']
+            >>> [h["step"] for h in frz.history]
+            [0, 1]
+        """
+        if isinstance(plan, (list, tuple)):
+            plan = Plan(plan)
+        if not isinstance(plan, Plan):
+            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
+        res = resolve(plan, self._target)
+        step = self._step()
+        self._earlier += [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
+        import keras
+
+        old = self._res
+        self._res = res
+        retrace = self._set_flags()
+        obj = self._target.obj
+        var_list = list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
+        try:
+            for opt in self._optimizers():
+                retrace |= opt.retarget(res, var_list)
+        except Exception:
+            self._res = old
+            self._set_flags()
+            raise
+        if retrace:
+            self._retrace()
         self._fingerprint = self._take_fingerprint()
+        self._record(step, retraced=retrace)
         return self
+
+    def _step(self) -> int:
+        for opt in self._optimizers():
+            try:
+                return int(np.asarray(opt.iterations.numpy()))
+            except Exception:  # pragma: no cover - unbuilt or symbolic
+                continue
+        return 0
+
+    def _record(self, step: int, retraced: bool) -> None:
+        import time
+
+        self._history.append(
+            {
+                "step": step,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "plan": [repr(r) for r in self._res.plan.rules],
+                "trainable_elements": int(sum(s.n_trainable for s in self._res.states)),
+                "retraced": retraced,
+            }
+        )
+
+    @property
+    def history(self) -> list[dict]:
+        """Every plan this Freezer enforced: ``step`` (optimizer iterations), time, rules."""
+        return [dict(h) for h in self._history]
 
     def _fingerprint_items(self):
         for s in self._res.states:
@@ -195,6 +309,12 @@ class Freezer:
             ...
         """
         if reference is None:
+            if self._earlier:
+                from finefreeze._errors import FrozenValueChanged
+
+                bad = self._earlier + self._fingerprint.check()
+                lines = "\n".join(f"  {p}: {w}" for p, w in bad)
+                raise FrozenValueChanged(f"{len(bad)} frozen part(s) changed:\n{lines}", bad)
             self._fingerprint.verify()
         else:
             self._fingerprint.verify(reference=collect(reference))
@@ -216,6 +336,7 @@ class Freezer:
 
         opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy, _resolution=self._res)
         opt._freezer_ref = weakref.ref(self)
+        self._wrapped.append(weakref.ref(opt))
         return opt
 
     # -- delta files -------------------------------------------------------------

@@ -10,6 +10,8 @@ their strategy's ``prepare`` / ``finish`` hooks around the inner update.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import warnings
 from typing import Any
 
@@ -44,6 +46,27 @@ def inexact_reasons(opt) -> list[str]:
     elif name not in ("Adagrad", "Adadelta"):
         reasons.append(f"{name} keeps moving elements whose gradient is 0 (momentum or its own state)")
     return reasons
+
+
+@dataclasses.dataclass(eq=False)
+class _Decision:
+    """How the plan treats one variable the optimizer is built on."""
+
+    variable: Any
+    state: str  # TRAINABLE, PARTIAL or FROZEN
+    mask: Any = None  # ElementMask, or a saved layout entry (dict)
+    n_trainable: int | None = None
+    scale: Any = 1.0  # float, or a per-element float32 array
+
+
+class _Frozen:
+    """A numpy value standing in for an optimizer variable that is gone."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def numpy(self):
+        return self.value
 
 
 class _Slots:
@@ -179,8 +202,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in self._slots.norms)
 
     # -- building ------------------------------------------------------------
-    def _decisions(self, var_list):
-        """``[(variable, state, mask ElementMask|None, n_trainable, lr_scale)]``."""
+    def _decisions(self, var_list) -> list[_Decision]:
+        """One decision per variable: the plan's, or the saved layout's."""
         if self._layout is not None:
             return self._decisions_from_layout(var_list)
         res = self._resolution
@@ -198,33 +221,31 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             seen.add(id(v))
             st = res.lookup(v)
             if st is None:
-                out.append((v, TRAINABLE, None, None, 1.0))
-            elif st.lr_scales is not None:
-                raise PlanError(
-                    f"variable {st.path!r} (shape {st.info.shape}) has trainable elements with "
-                    "different lr_scale values; one lr_scale per variable is supported. "
-                    "Give the rules that train this variable the same lr_scale."
-                )
+                out.append(_Decision(v, TRAINABLE))
             elif st.state in (FROZEN, UNTRAINED):
-                out.append((v, FROZEN, None, None, 1.0))
+                out.append(_Decision(v, FROZEN))
             else:
-                out.append((v, st.state, st.mask, st.n_trainable, st.lr_scale))
+                scale = st.lr_scales if st.lr_scales is not None else st.lr_scale
+                out.append(_Decision(v, st.state, st.mask, st.n_trainable, scale))
         return out
 
-    def _decisions_from_layout(self, var_list):
+    def _decisions_from_layout(self, var_list) -> list[_Decision]:
         entries = list(self._layout["variables"]) + [{"path": p, "strategy": "frozen"} for p in self._layout["frozen"]]
         out = []
         for v in var_list:
             e = _match_layout(var_path(v), entries)
             if e is None:
-                out.append((v, TRAINABLE, None, None, 1.0))
+                out.append(_Decision(v, TRAINABLE))
             elif e["strategy"] == "frozen":
-                out.append((v, FROZEN, None, None, 1.0))
+                out.append(_Decision(v, FROZEN))
                 if getattr(v, "trainable", False) and isinstance(v, keras.Variable):
                     v.trainable = False  # per-variable flags are not saved in .keras files
             else:
                 state = TRAINABLE if e["strategy"] == "train" else PARTIAL
-                out.append((v, state, e, e.get("n_trainable"), e.get("lr_scale", 1.0)))
+                scale = e.get("lr_scale", 1.0)
+                if scale == "per-element":  # values arrive with the optimizer variables on load
+                    scale = np.ones([int(d) for d in v.shape], np.float32)
+                out.append(_Decision(v, state, e, e.get("n_trainable"), scale))
         return out
 
     def _kind(self, variable, n_trainable: int) -> str:
@@ -235,47 +256,52 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             return "restore"  # MultiOptimizer routes by the model variable's path
         return kind
 
+    def _kind_of(self, d: _Decision) -> str:
+        if d.state == TRAINABLE:
+            return "train"
+        if d.state == FROZEN:
+            return "frozen"
+        return d.mask["strategy"] if isinstance(d.mask, dict) else self._kind(d.variable, d.n_trainable)
+
     def _layout_for(self, decisions) -> dict:
         """What the config records so that a loaded optimizer builds the same slots."""
         entries, frozen = [], []
-        for v, state, mask, n_trainable, lr_scale in decisions:
-            path, shape = var_path(v), [int(d) for d in v.shape]
-            if state == FROZEN:
+        for d in decisions:
+            path, shape, kind = var_path(d.variable), [int(x) for x in d.variable.shape], self._kind_of(d)
+            scale = "per-element" if isinstance(d.scale, np.ndarray) else float(d.scale)
+            if kind == "frozen":
                 frozen.append(path)
-            elif state == PARTIAL:
-                kind = mask["strategy"] if isinstance(mask, dict) else self._kind(v, n_trainable)
-                entries.append(
-                    {
-                        "path": path,
-                        "strategy": kind,
-                        "shape": shape,
-                        "n_trainable": int(n_trainable),
-                        "lr_scale": lr_scale,
-                    }
-                )
-            elif lr_scale != 1.0:
-                entries.append({"path": path, "strategy": "train", "shape": shape, "lr_scale": lr_scale})
+            elif kind != "train":
+                entry = {"path": path, "strategy": kind, "shape": shape, "n_trainable": int(d.n_trainable)}
+                entries.append({**entry, "lr_scale": scale})
+            elif scale != 1.0:
+                entries.append({"path": path, "strategy": "train", "shape": shape, "lr_scale": scale})
         return {"variables": entries, "frozen": sorted(frozen)}
 
-    @_no_tracking
     def build(self, var_list):
         if self.built:
             return
-        decisions = self._decisions(var_list)
+        self._build_slots(self._decisions(var_list))
+        super().build(var_list)
+
+    def _build_slots(self, decisions):
+        self._make_slots(decisions)
+        # outside the no-tracking scope: the inner optimizer tracks what it makes
+        # (Nadam's u_product is an attribute, not an add_variable)
+        self.inner_optimizer.build([s.inner_variable for s in self._slots.ordered])
+
+    @_no_tracking
+    def _make_slots(self, decisions):
         if self._layout is None:
             self._layout = self._layout_for(decisions)
         slots = _Slots()
-        for v, state, mask, n_trainable, lr_scale in decisions:
-            path = var_path(v)
-            if state == FROZEN:
-                slots.frozen_ids.add(id(v))
+        for d in decisions:
+            kind = self._kind_of(d)
+            if kind == "frozen":
+                slots.frozen_ids.add(id(d.variable))
                 continue
-            shape = tuple(int(d) for d in v.shape)
-            if state == TRAINABLE:
-                slot = Slot(path, v, "train", shape, lr_scale)
-            else:
-                slot = self._partial_slot(v, path, shape, mask, n_trainable, lr_scale)
-            slots.by_id[id(v)] = slot
+            slot = self._make_slot(d, kind)
+            slots.by_id[id(d.variable)] = slot
             slots.ordered.append(slot)
         import tensorflow as tf
 
@@ -286,32 +312,212 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._slots = slots
         if any(s.kind == "mask" for s in slots.ordered):
             self._warn_mask()
-        self.inner_optimizer.build([s.inner_variable for s in slots.ordered])
-        super().build(var_list)
 
-    def _partial_slot(self, v, path, shape, mask, n_trainable, lr_scale) -> Slot:
-        if isinstance(mask, dict):  # from a saved layout: values arrive on load
-            kind = mask["strategy"]
-            dense = np.ones(shape, dtype=bool)
-            idx = np.full((n_trainable,), -1, dtype=np.int32)
-        else:
-            kind = self._kind(v, n_trainable)
-            dense = mask.dense()
-            idx = mask.trainable_flat_indices().astype(np.int32) if kind == "compact" else None
+    def _make_slot(self, d: _Decision, kind: str) -> Slot:
+        """The Slot of one trainable or partially frozen variable, with its optimizer variables."""
+        v, path = d.variable, var_path(d.variable)
+        shape = tuple(int(x) for x in v.shape)
         safe = path.replace("/", ".")
+        from_layout = isinstance(d.mask, dict)  # values arrive on load
+        slot = Slot(path, v, kind, shape)
         if kind == "compact":
-            index = self.add_variable(
+            idx = (
+                np.full((d.n_trainable,), -1, np.int32)
+                if from_layout
+                else d.mask.trainable_flat_indices().astype(np.int32)
+            )
+            slot.index = self.add_variable(
                 shape=idx.shape, dtype="int32", name=f"{safe}.index", initializer=_const(idx), aggregation="none"
             )
             # Refilled from the model variable at every step (gather).
-            shadow = self.add_variable(
+            slot.shadow = self.add_variable(
                 shape=idx.shape, dtype=v.dtype, name=f"{safe}.compact", initializer="zeros", aggregation="none"
             )
-            return Slot(path, v, kind, shape, lr_scale, index=index, shadow=shadow)
-        m = self.add_variable(
-            shape=shape, dtype="bool", name=f"{safe}.frozen_mask", initializer=_const(dense), aggregation="none"
-        )
-        return Slot(path, v, kind, shape, lr_scale, mask=m)
+        elif kind in ("restore", "mask"):
+            dense = np.ones(shape, bool) if from_layout else d.mask.dense()
+            slot.mask = self.add_variable(
+                shape=shape, dtype="bool", name=f"{safe}.frozen_mask", initializer=_const(dense), aggregation="none"
+            )
+        scale = self._scale_value(d, slot)
+        if scale is not None:
+            slot.scale = self.add_variable(
+                shape=scale.shape,
+                dtype="float32",
+                name=f"{safe}.lr_scale",
+                initializer=_const(scale),
+                aggregation="none",
+            )
+        return slot
+
+    def _scale_value(self, d: _Decision, slot: Slot) -> np.ndarray | None:
+        """The lr_scale values a slot holds: None (all 1), a scalar, or one per inner element."""
+        if not isinstance(d.scale, np.ndarray):
+            return None if d.scale == 1.0 else np.asarray(d.scale, np.float32)
+        if slot.kind == "compact":
+            if isinstance(d.mask, dict):
+                return np.ones((d.n_trainable,), np.float32)
+            return d.scale.reshape(-1)[d.mask.trainable_flat_indices()].astype(np.float32)
+        return d.scale.astype(np.float32)
+
+    # -- changing the plan -------------------------------------------------------
+    def retarget(self, resolution, var_list=None) -> bool:
+        """Follow a new resolution of the plan (``Freezer.update`` calls this).
+
+        Element-mask changes of variables that stay partially frozen with the
+        same strategy, and new ``lr_scale`` values, are written into the
+        optimizer's variables: no retrace. Anything else (a variable becomes
+        trainable, frozen or partial; a compact variable's trainable count or
+        a strategy changes; a scale appears or disappears) rebuilds the slots
+        and the inner optimizer: state is kept for every element that stays
+        trainable, ``iterations`` is kept, newly trainable elements start with
+        zero state (EMA averages with their current value), and the state of
+        newly frozen variables is released.
+
+        Args:
+            resolution: the new resolution.
+            var_list: the variables to build on, in the order Keras passes
+                them (``model.trainable_variables`` after the flags changed),
+                so that saved optimizer variables load in order.
+
+        Returns:
+            True when the train function must be retraced.
+        """
+        self._resolution, self._plan, self._layout = resolution, resolution.plan, None
+        if not self.built:
+            return False
+        if var_list is None:
+            var_list = [s.variable for s in resolution.states if s.state in (TRAINABLE, PARTIAL)]
+        decisions = self._decisions(var_list)
+        if self._in_place(decisions):
+            self._layout = self._layout_for(decisions)
+            return False
+        self._rebuild(decisions, var_list)
+        return True
+
+    def _in_place(self, decisions) -> bool:
+        """Write mask, index and scale changes into place if no slot changes shape or kind."""
+        old = self._slots
+        plans = []
+        for d in decisions:
+            kind = self._kind_of(d)
+            if kind == "frozen":
+                if id(d.variable) not in old.frozen_ids:
+                    return False
+                continue
+            slot = old.by_id.get(id(d.variable))
+            if slot is None or slot.kind != kind:
+                return False
+            if kind == "compact" and slot.index.shape[0] != d.n_trainable:
+                return False
+            scale = self._scale_value(d, slot)
+            if (scale is None) != (slot.scale is None) or (
+                scale is not None and tuple(scale.shape) != tuple(slot.scale.shape)
+            ):
+                return False
+            plans.append((slot, d, scale))
+        for slot, d, scale in plans:
+            if slot.kind in ("restore", "mask"):
+                was = np.asarray(slot.mask.numpy())
+                now = d.mask.dense()
+                if not np.array_equal(was, now):
+                    self._reset_state(slot, newly_trainable=was & ~now)
+                    slot.mask.assign(now)
+            elif slot.kind == "compact":
+                old_idx = np.asarray(slot.index.numpy()).astype(np.int64)
+                new_idx = d.mask.trainable_flat_indices()
+                if not np.array_equal(old_idx, new_idx):
+                    self._remap_state([(slot, old_idx)], {id(slot.variable): (slot, new_idx)})
+                    slot.index.assign(new_idx.astype(np.int32))
+            if scale is not None:
+                slot.scale.assign(scale)
+        return True
+
+    def _inner_state(self, slot):
+        """Inner optimizer variables that hold per-element state of ``slot``."""
+        prefix = var_path(slot.inner_variable).replace("/", "_") + "_"
+        size = int(np.prod(slot.inner_variable.shape, dtype=np.int64))
+        out = []
+        for w in self.inner_optimizer.variables:
+            name = w.name
+            if name.startswith(prefix) and int(np.prod(w.shape, dtype=np.int64)) == size:
+                out.append((name[len(prefix) :], w))
+        return out
+
+    def _reset_state(self, slot, newly_trainable: np.ndarray):
+        """Fresh state for newly trainable elements of a dense slot."""
+        value = np.asarray(slot.variable.numpy())
+        for suffix, w in self._inner_state(slot):
+            cur = np.asarray(w.numpy())
+            fresh = value if suffix == "average" else np.zeros_like(cur)
+            w.assign(np.where(newly_trainable.reshape(cur.shape), fresh.reshape(cur.shape), cur))
+
+    def _remap_state(self, old_slots, new_by_id):
+        """Carry per-element state from old slots to new ones, element by element."""
+        for old_slot, old_idx in old_slots:
+            hit = new_by_id.get(id(old_slot.variable))
+            if hit is None:
+                continue
+            new_slot, new_idx = hit
+            old_state = {suffix: np.asarray(w.numpy()).reshape(-1) for suffix, w in self._state_of(old_slot)}
+            value = np.asarray(new_slot.variable.numpy()).reshape(-1)
+            pos = np.searchsorted(old_idx, new_idx)
+            pos_c = np.minimum(pos, max(old_idx.size - 1, 0))
+            kept = (old_idx.size > 0) & (old_idx[pos_c] == new_idx) if old_idx.size else np.zeros(new_idx.size, bool)
+            for suffix, w in self._inner_state(new_slot):
+                if suffix not in old_state:
+                    continue
+                fresh = value[new_idx].astype(old_state[suffix].dtype) if suffix == "average" else 0
+                out = np.where(kept, old_state[suffix][pos_c], fresh)
+                w.assign(out.reshape(w.shape))
+
+    def _state_of(self, slot):
+        return getattr(slot, "_saved_state", None) or self._inner_state(slot)
+
+    def _rebuild(self, decisions, var_list):
+        """New slots and a new inner optimizer; state carried by element."""
+        old_slots, old_inner = self._slots, self.inner_optimizer
+        carried = []
+        for slot in old_slots.ordered:
+            idx = (
+                np.asarray(slot.index.numpy()).astype(np.int64)
+                if slot.kind == "compact"
+                else np.arange(int(np.prod(slot.shape, dtype=np.int64)))
+            )
+            if slot.mask is not None:  # frozen elements of a dense slot have no state worth keeping
+                idx = idx[~np.asarray(slot.mask.numpy()).reshape(-1)]
+            # state values aligned with idx (compact state already is)
+            pick = slice(None) if slot.kind == "compact" else idx
+            slot._saved_state = [
+                (sfx, _Frozen(np.asarray(w.numpy()).reshape(-1)[pick])) for sfx, w in self._inner_state(slot)
+            ]
+            carried.append((slot, idx))
+        shared = _keyed(old_inner.variables)
+        ours = {id(w) for s in old_slots.ordered for w in (s.mask, s.index, s.shadow, s.scale) if w is not None}
+        self._variables[:] = [w for w in self._variables if id(w) not in ours]
+        inner = type(old_inner).from_config(old_inner.get_config())
+        self._set_inner(inner)
+        self._layout = None
+        with keras.name_scope(self.name, caller=self):
+            self._build_slots(decisions)
+        new_by_id = {}
+        for slot in self._slots.ordered:
+            if slot.kind == "compact":
+                new_idx = np.asarray(slot.index.numpy()).astype(np.int64)
+            else:
+                new_idx = np.arange(int(np.prod(slot.shape, dtype=np.int64)))
+            new_by_id[id(slot.variable)] = (slot, new_idx)
+        per_element = {id(w) for s in self._slots.ordered for _, w in self._inner_state(s)}
+        for key, w in _keyed(inner.variables, values=False).items():
+            if id(w) not in per_element and key in shared:
+                w.assign(shared[key])  # iterations, learning rate, factored and other global state
+        self._remap_state(carried, new_by_id)
+        for slot, _ in carried:
+            del slot._saved_state
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    @_no_tracking
+    def _set_inner(self, inner):
+        self.inner_optimizer = inner
 
     def _warn_mask(self):
         reasons = inexact_reasons(self.inner_optimizer)
@@ -436,6 +642,16 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             name=config.pop("name", None),
             _layout=layout,
         )
+
+
+def _keyed(variables, values=True) -> dict:
+    """Variables by ``(name, shape, occurrence)``: names alone repeat (Adafactor's factored slots)."""
+    out, seen = {}, {}
+    for w in variables:
+        k = (re.sub(r"_\d+$", "", w.name), tuple(int(d) for d in w.shape))  # unnamed: variable, variable_1
+        seen[k] = seen.get(k, 0) + 1
+        out[(*k, seen[k])] = np.asarray(w.numpy()) if values else w
+    return out
 
 
 def _match_layout(path, entries):

@@ -78,8 +78,18 @@ def build_report(frz) -> dict:
         "adam_state_elements": sum(v["adam_state_elements"] for v in variables),
         "by_state": {k: sum(1 for v in variables if v["state"] == k) for k in (TRAINABLE, PARTIAL, FROZEN, UNTRAINED)},
     }
+    decided: dict[int, int] = {}
+    for st in res.states:
+        for i, n in st.decided_by:
+            decided[i] = decided.get(i, 0) + n
+    lr_scales = [
+        {"rule": _decider(plan, i), "lr_scale": r.lr_scale, "elements": decided.get(i, 0)}
+        for i, r in enumerate(plan.rules)
+        if not r.freezes and r.lr_scale is not None and r.lr_scale != 1.0
+    ]
     return {
         "plan": [repr(r) for r in plan.rules],
+        "lr_scales": lr_scales,
         "strategy": frz.strategy,
         "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
         "layers": list(layers.values()),
@@ -152,4 +162,15 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
     out.append(f"Optimizer state with Adam: {t['adam_state_elements']:,} elements")
     if rep["frozen_layers"]:
         out.append("Frozen as layers (inference mode): " + ", ".join(rep["frozen_layers"]))
+    for g in rep.get("lr_scales", []):
+        out.append(f"Learning-rate scale {g['lr_scale']:g} for {g['elements']:,} elements: rule {g['rule']}")
+    history = rep.get("history", [])
+    if len(history) > 1:
+        out.append("Plan changes:")
+        for h in history:
+            how = "retraced" if h["retraced"] else "no retrace"
+            out.append(
+                f"  step {h['step']:>6} ({h['time']}): {h['trainable_elements']:,} trainable "
+                f"elements [{how}]: {', '.join(h['plan'])}"
+            )
     return "\n".join(out)

@@ -15,6 +15,12 @@ variable right after the inner update.
 - ``mask``: the folk recipe, gradient selection alone; not exact with weight
   decay, momentum, EMA and friends, and warned about.
 - ``train``: a fully trainable variable, passed through (``lr_scale`` aside).
+
+``lr_scale`` scales the step, not the gradient: the model variable is moved to
+``old + scale * (new - old)`` after the inner update, so Adam-like optimizers
+(invariant to gradient scale) and weight decay are scaled too. The scale lives
+in an optimizer variable (a scalar, or one value per element when rules give
+different scales inside one variable), so new values need no retrace.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ class Slot:
     variable: Any  # model variable
     kind: str  # "train" | "restore" | "compact" | "mask"
     shape: tuple
-    lr_scale: float = 1.0
+    scale: Any = None  # float32 optimizer variable of lr_scale: () or per element; None = 1
     mask: Any = None  # bool optimizer variable (True = frozen): restore, mask
     index: Any = None  # int32 optimizer variable of trainable flat indices: compact
     shadow: Any = None  # flat optimizer variable of trainable values: compact
@@ -90,7 +96,7 @@ class Slot:
 
     # -- hooks -------------------------------------------------------------
     def needs_snapshot(self) -> bool:
-        return self.kind == "restore" or self.lr_scale != 1.0
+        return self.kind == "restore" or self.scale is not None
 
     def prepare(self, grad):
         """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps)."""
@@ -102,7 +108,7 @@ class Slot:
             g = None
             if grad is not None:
                 g = tf.gather(tf.reshape(tf.convert_to_tensor(grad), [-1]), idx)
-            return g, (values if self.lr_scale != 1.0 else None)
+            return g, (values if self.scale is not None else None)
         old = _read(self.variable) if self.needs_snapshot() else None
         if grad is None or self.kind == "train":
             return grad, old
@@ -120,14 +126,14 @@ class Slot:
         if self.kind == "compact":
             new = self.shadow.value
             if old is not None:
-                new = old + tf.cast(self.lr_scale, new.dtype) * (new - old)
+                new = old + tf.cast(self.scale.value, new.dtype) * (new - old)
             _tf_variable(self.variable).scatter_nd_update(_unravel(tf, self.index.value, self.shape), new)
             return
         if old is None:
             return
         cur = _read(self.variable)
-        if self.lr_scale != 1.0:
-            cur = old + tf.cast(self.lr_scale, cur.dtype) * (cur - old)
+        if self.scale is not None:
+            cur = old + tf.cast(self.scale.value, cur.dtype) * (cur - old)
         if self.kind == "restore":
             cur = tf.where(self.mask.value, old, cur)
         self.variable.assign(cur)

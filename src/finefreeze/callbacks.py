@@ -1,11 +1,13 @@
-"""Keras callbacks: ``FreezeBoard`` (TensorBoard).
+"""Keras callbacks: ``FreezeSchedule``, ``GradualUnfreezing`` and ``FreezeBoard`` (TensorBoard).
 
 Example:
     >>> import finefreeze as ff
-    >>> ff.callbacks.FreezeBoard.__name__
-    'FreezeBoard'
+    >>> sorted(ff.callbacks.__all__)
+    ['FreezeBoard', 'FreezeSchedule', 'GradualUnfreezing']
 """
 
 from finefreeze._board import FreezeBoard as FreezeBoard
+from finefreeze._schedule import FreezeSchedule as FreezeSchedule
+from finefreeze._schedule import GradualUnfreezing as GradualUnfreezing
 
-__all__ = ["FreezeBoard"]
+__all__ = ["FreezeBoard", "FreezeSchedule", "GradualUnfreezing"]
