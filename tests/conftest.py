@@ -10,6 +10,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# Three logical CPUs for the tf.distribute tests; must happen before TensorFlow
+# initializes its devices. Ops without a device still run on CPU:0.
+N_LOGICAL_CPUS = 3
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * N_LOGICAL_CPUS
+)
+
 keras.config.disable_interactive_logging()
 
 

@@ -9,6 +9,7 @@ Example:
 from finefreeze import callbacks as callbacks
 from finefreeze._delta import load_delta as load_delta
 from finefreeze._errors import DeltaError as DeltaError
+from finefreeze._errors import DistributionError as DistributionError
 from finefreeze._errors import FreezeWarning as FreezeWarning
 from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
 from finefreeze._errors import PlanError as PlanError
@@ -22,6 +23,7 @@ from finefreeze._version import __version__ as __version__
 
 __all__ = [
     "DeltaError",
+    "DistributionError",
     "FreezeWarning",
     "Freezer",
     "FreezingOptimizer",

@@ -186,8 +186,11 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
             flat = base.reshape(-1).copy()
             flat[idx] = tensors[f"{p}::values"]
             writes.append((vi.variable, flat.reshape(base.shape)))
-    for var, value in writes:
-        var.assign(value)
+    from finefreeze._distribute import owner_scope
+
+    with owner_scope([v for v, _ in writes]):
+        for var, value in writes:
+            var.assign(value)
     n_partial = sum(int(tensors[f"{p}::values"].size) for p, i in variables.items() if i["kind"] == "partial")
     n_full = sum(
         int(np.prod(i["shape"], dtype=np.int64)) for i in variables.values() if i["kind"] in ("trainable", "untrained")

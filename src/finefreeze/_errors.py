@@ -48,6 +48,19 @@ class DeltaError(ValueError):
     """
 
 
+class DistributionError(RuntimeError):
+    """A Freezer or optimizer does not belong to the ``tf.distribute`` strategy of its model.
+
+    Raised when it is created outside the ``strategy.scope()`` that built
+    the model (or inside another strategy's scope), before anything changes.
+
+    Example:
+        >>> import finefreeze as ff
+        >>> issubclass(ff.DistributionError, RuntimeError)
+        True
+    """
+
+
 class FreezeWarning(UserWarning):
     """Something that works but is probably not what you want.
 

@@ -75,9 +75,10 @@ class Fingerprint:
 
         Args:
             read: ``variable -> list of numpy values`` (one per replica);
-                defaults to ``[variable.numpy()]``.
+                defaults to every replica's copy of a distributed variable.
         """
-        read = read or (lambda v: [np.asarray(v.numpy())])
+        if read is None:
+            from finefreeze._distribute import replica_values as read
         bad = []
         for e in self.entries:
             frozen = None if e.frozen is None else e.frozen.dense()

@@ -58,6 +58,11 @@ class Freezer:
             raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
         self._strategy = strategy
         self._target = collect(target)
+        from finefreeze._distribute import check_scope
+
+        check_scope(
+            [vi.variable for vi in self._target.variables], "the Freezer", [vi.path for vi in self._target.variables]
+        )
         self._res: Resolution = resolve(plan, self._target)
         self._history: list[dict] = []
         self._wrapped: list = []  # weak references to optimizers made by wrap()
@@ -231,9 +236,12 @@ class Freezer:
         retrace = self._set_flags()
         obj = self._target.obj
         var_list = list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
+        from finefreeze._distribute import owner_scope
+
         try:
-            for opt in self._optimizers():
-                retrace |= opt.retarget(res, var_list)
+            with owner_scope(var_list):  # new slot variables must be mirrored like the model's
+                for opt in self._optimizers():
+                    retrace |= opt.retarget(res, var_list)
         except Exception:
             self._res = old
             self._set_flags()
@@ -332,8 +340,12 @@ class Freezer:
         """
         import weakref
 
+        from finefreeze._distribute import check_optimizer, check_scope
         from finefreeze._optimizer import FreezingOptimizer
 
+        variables = [vi.variable for vi in self._target.variables]
+        check_scope(variables, "the FreezingOptimizer")
+        check_optimizer(optimizer, variables, "Freezer.wrap")
         opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy, _resolution=self._res)
         opt._freezer_ref = weakref.ref(self)
         self._wrapped.append(weakref.ref(opt))

@@ -18,10 +18,10 @@ from typing import Any
 import keras
 import numpy as np
 
-from finefreeze._errors import FreezeWarning, PlanError
+from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
-from finefreeze._strategies import STRATEGIES, Slot, choose
+from finefreeze._strategies import STRATEGIES, Slot, choose, write_all
 from finefreeze._targets import var_path
 
 __all__ = ["FreezingOptimizer", "inexact_reasons"]
@@ -281,6 +281,17 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
+        import tensorflow as tf
+
+        from finefreeze._distribute import check_optimizer, owner_strategy
+
+        check_optimizer(self, var_list, "FreezingOptimizer.build")
+        if owner_strategy(var_list) is not None and not tf.distribute.in_cross_replica_context():
+            raise DistributionError(
+                "FreezingOptimizer is being built inside strategy.run: build it in the strategy's "
+                "scope first (model.compile + fit do; in a custom loop call "
+                "opt.build(frz.trainable_variables) inside `with strategy.scope():`)."
+            )
         self._build_slots(self._decisions(var_list))
         super().build(var_list)
 
@@ -549,7 +560,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
         slots = self._slots
         all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))
-        inner_g, inner_v, pending, seen = [], [], [], set()
+        inner_g, inner_v, pending, seen, writes = [], [], [], set(), []
         for g, v in zip(grads, trainable_variables):
             if id(v) in slots.frozen_ids:
                 continue
@@ -562,7 +573,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             if g is None and not all_steps:
                 continue
             seen.add(id(v))
-            ig, ctx = slot.prepare(g)
+            ig, ctx = slot.prepare(g, writes)
             if ig is not None:
                 inner_g.append(ig)
                 inner_v.append(slot.inner_variable)
@@ -571,15 +582,18 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         if all_steps:
             for slot in slots.ordered:
                 if slot.kind in ("restore", "compact") and id(slot.variable) not in seen:
-                    pending.append((slot, slot.prepare(None)[1]))
+                    pending.append((slot, slot.prepare(None, writes)[1]))
+        write_all(writes)
         if self.track_gradient_norms:
             self._record_norms(inner_g, inner_v)
         if inner_g:
             self.inner_optimizer.apply(inner_g, inner_v)
         else:
             self.inner_optimizer.iterations.assign_add(1)
+        writes = []
         for slot, ctx in pending:
-            slot.finish(ctx)
+            slot.finish(ctx, writes)
+        write_all(writes)
 
     def _record_norms(self, grads, variables):
         import tensorflow as tf
@@ -605,10 +619,14 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
             return
-        pending = [(s, s.prepare(None)[1]) for s in self._slots.ordered if s.kind in ("restore", "compact")]
+        writes = []
+        pending = [(s, s.prepare(None, writes)[1]) for s in self._slots.ordered if s.kind in ("restore", "compact")]
+        write_all(writes)
         self.inner_optimizer.finalize_variable_values(self.inner_optimizer._trainable_variables)
+        writes = []
         for slot, ctx in pending:
-            slot.finish(ctx)
+            slot.finish(ctx, writes)
+        write_all(writes)
 
     # -- serialization -------------------------------------------------------
     def get_config(self):

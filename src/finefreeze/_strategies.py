@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["STRATEGIES", "AUTO_COMPACT_AT_MOST", "choose", "Slot"]
+__all__ = ["STRATEGIES", "AUTO_COMPACT_AT_MOST", "choose", "Slot", "write_all"]
 
 STRATEGIES = ("auto", "restore", "compact", "mask")
 
@@ -65,6 +65,43 @@ def _read(v):
     return _tf().identity(_tf_variable(v))
 
 
+def _assign(var, value):
+    return var.assign(value)
+
+
+def _scatter(var, indices, values):
+    return var.scatter_nd_update(indices, values)
+
+
+def write_all(writes) -> None:
+    """Perform ``[(variable, fn, args)]`` writes through the strategy's update path.
+
+    Under ``tf.distribute`` a write from replica context goes through
+    ``merge_call`` and ``extended.update``, which runs ``fn`` on every
+    replica's copy with that replica's ``args``; a bare replica-context
+    ``assign`` would aggregate the replicas' values (``aggregation="mean"``
+    rounds them). Without a strategy this is a plain call of each ``fn``.
+    """
+    if not writes:
+        return
+    tf = _tf()
+    tf_vars = [_tf_variable(v) for v, _, _ in writes]
+
+    def merged(strategy, *all_args):
+        for var, (_, fn, _), args in zip(tf_vars, writes, all_args):
+            strategy.extended.update(var, fn, args=args, group=False)
+
+    args = [a for _, _, a in writes]
+    owner = next((o for o in (getattr(v, "_distribute_strategy", None) for v in tf_vars) if o is not None), None)
+    if owner is not None and (not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()):
+        with owner.scope():  # e.g. finalize_variable_values after fit, outside the scope
+            merged(owner, *args)
+    elif owner is None or tf.distribute.in_cross_replica_context():
+        merged(tf.distribute.get_strategy(), *args)
+    else:
+        tf.__internal__.distribute.interim.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
+
+
 def _unravel(tf, flat, shape):
     """Flat int32 indices to ``(k, ndim)`` indices, with ops XLA compiles."""
     if len(shape) <= 1:
@@ -98,13 +135,17 @@ class Slot:
     def needs_snapshot(self) -> bool:
         return self.kind == "restore" or self.scale is not None
 
-    def prepare(self, grad):
-        """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps)."""
+    def prepare(self, grad, writes: list):
+        """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps).
+
+        Writes the step needs before the inner update are appended to
+        ``writes`` (see :func:`write_all`).
+        """
         tf = _tf()
         if self.kind == "compact":
             idx = self.index.value
             values = tf.gather(tf.reshape(_read(self.variable), [-1]), idx)
-            self.shadow.assign(values)
+            writes.append((self.shadow, _assign, (values,)))
             g = None
             if grad is not None:
                 g = tf.gather(tf.reshape(tf.convert_to_tensor(grad), [-1]), idx)
@@ -120,14 +161,14 @@ class Slot:
         grad = tf.convert_to_tensor(grad)
         return tf.where(mask, tf.zeros_like(grad), grad), old
 
-    def finish(self, old):
-        """Put the model variable right after the inner update."""
+    def finish(self, old, writes: list):
+        """Append the writes that put the model variable right after the inner update."""
         tf = _tf()
         if self.kind == "compact":
             new = self.shadow.value
             if old is not None:
                 new = old + tf.cast(self.scale.value, new.dtype) * (new - old)
-            _tf_variable(self.variable).scatter_nd_update(_unravel(tf, self.index.value, self.shape), new)
+            writes.append((self.variable, _scatter, (_unravel(tf, self.index.value, self.shape), new)))
             return
         if old is None:
             return
@@ -136,4 +177,4 @@ class Slot:
             cur = old + tf.cast(self.scale.value, cur.dtype) * (cur - old)
         if self.kind == "restore":
             cur = tf.where(self.mask.value, old, cur)
-        self.variable.assign(cur)
+        writes.append((self.variable, _assign, (cur,)))
