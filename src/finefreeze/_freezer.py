@@ -197,7 +197,9 @@ class Freezer:
         ``iterations`` kept, zero state for newly trainable elements, released
         for newly frozen variables) and retrace the train function.
         ``verify()`` keeps checking what was frozen before the change, up to
-        the change, and checks newly frozen elements from now on.
+        the change, and checks newly frozen elements from now on. ``fit``
+        picks up the retraced function itself; a custom loop wraps its step
+        in a new ``tf.function`` when ``history[-1]["retraced"]`` is True.
 
         Args:
             plan: the new :class:`Plan` (or list of rules).
