@@ -1,0 +1,92 @@
+"""The API reference, from the docstrings of every public symbol.
+
+Writes docs/api.md:  python docs/gen/api.py --write
+(``tests/test_docs.py`` checks the committed page is what this prints.)
+"""
+
+import argparse
+import inspect
+import os
+import pathlib
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import finefreeze as ff  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def public_symbols():
+    """``[(qualified name, object)]`` for ``ff.__all__`` and the names of its public submodules."""
+    out = []
+    for name in ff.__all__:
+        obj = getattr(ff, name)
+        if name == "__version__":
+            continue
+        if inspect.ismodule(obj):
+            out += [(f"ff.{name}.{sub}", getattr(obj, sub)) for sub in obj.__all__]
+        else:
+            out.append((f"ff.{name}", obj))
+    return out
+
+
+def _signature(obj) -> str:
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "(...)"
+    params = [p for n, p in sig.parameters.items() if not n.startswith("_")]
+    return str(sig.replace(parameters=params))
+
+
+def _methods(cls):
+    for name, member in vars(cls).items():
+        if name.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+            continue
+        doc = inspect.cleandoc(member.__doc__) if member.__doc__ else None  # its own, not inherited
+        if doc:
+            sig = (
+                ""
+                if isinstance(member, property)
+                else _signature(member).replace("(self, ", "(").replace("(self)", "()")
+            )
+            yield name, sig, doc.splitlines()[0]
+
+
+def page() -> str:
+    out = [
+        "# API reference",
+        "",
+        f"finefreeze {ff.__version__}. Generated from the docstrings by `python docs/gen/api.py --write`;",
+        "every example in them runs as a doctest in CI. Import as `import finefreeze as ff`.",
+        "",
+    ]
+    for qual, obj in public_symbols():
+        doc = inspect.getdoc(obj) or ""
+        summary = doc.split("\n\n")[0].replace("\n", " ")
+        kind = "class" if inspect.isclass(obj) else "function"
+        sig = _signature(obj) if kind == "function" or not issubclass(obj, BaseException) else ""
+        out += [f"## `{qual}{sig}`", "", f"*{kind}* — {summary}", ""]
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            rows = list(_methods(obj))
+            if rows:
+                out += ["| member | summary |", "|---|---|"]
+                out += [f"| `{n}{s}` | {d} |" for n, s, d in rows]
+                out.append("")
+    return "\n".join(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="write docs/api.md")
+    args = p.parse_args()
+    text = page()
+    if args.write:
+        (ROOT / "docs" / "api.md").write_text(text)
+        print("wrote docs/api.md")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

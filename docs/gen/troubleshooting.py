@@ -1,0 +1,224 @@
+"""The troubleshooting page, built by running each mistake and printing the real message.
+
+Writes docs/troubleshooting.md:  python docs/gen/troubleshooting.py --write
+(``tests/test_docs.py`` checks the committed page is what this prints.)
+"""
+
+import argparse
+import os
+import pathlib
+import textwrap
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import finefreeze as ff  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, name="encoder"),
+            keras.layers.BatchNormalization(name="norm"),
+            keras.layers.Dense(2, name="head"),
+        ],
+        name="net",
+    )
+
+
+# (title, code run against `m`, how to fix it)
+CASES = [
+    (
+        "A rule selects nothing (a typo)",
+        'ff.Freezer(m, ff.Plan([ff.freeze("encodr/**")]))',
+        "Fix the selector (the message lists the closest paths). Sequential models prefix "
+        "paths with their own name: `**/encoder/**` is the portable form. Use "
+        "`ff.Plan(rules, strict=False)` only when a rule may legitimately match nothing.",
+    ),
+    (
+        "An index out of range",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel[5]")]))',
+        "Indices are checked against the variable's shape, never clipped: fix the index.",
+    ),
+    (
+        "A slice beyond a dimension",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel[:, 0:9]")]))',
+        "Slice bounds are checked too (clipping would hide typos): use `[:, 0:8]` or `[:, 0:]`.",
+    ),
+    (
+        "Too many indices",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel[0, 0, 0]")]))',
+        "Give at most one index per dimension; `...` stands for the rest.",
+    ),
+    (
+        "A mask of the wrong shape",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel", mask=np.ones((3, 3), bool))]))',
+        "`mask=` must broadcast to the variable's shape.",
+    ),
+    (
+        "A mask that is not bool",
+        'ff.freeze("**/encoder/kernel", mask=np.ones((5, 8)))',
+        "Pass a bool array (`mask.astype(bool)`), so 0/1 floats are never misread.",
+    ),
+    (
+        "A where= function that does not return a bool array",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel", where=lambda w: w * 2)]))',
+        "Return a comparison: `where=lambda w: w == 0`.",
+    ),
+    (
+        "Bad index syntax",
+        'ff.freeze("**/encoder/kernel[0:")',
+        "The caret points at the column; indices follow numpy: ints, slices, `...`, lists.",
+    ),
+    (
+        "A bad regular expression",
+        'ff.freeze("re:encoder_[0-")',
+        "`re:` selectors are Python regular expressions matched against the whole path.",
+    ),
+    (
+        "A plan that leaves nothing to train",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**")]))',
+        "Add a `train(...)` rule after the freeze (the last rule that selects an element wins).",
+    ),
+    (
+        "A negative lr_scale",
+        'ff.train("**/head/**", lr_scale=-1)',
+        "Scales are finite and >= 0; to stop training elements, `freeze` them (`lr_scale=0` is not freezing).",
+    ),
+    (
+        "An unknown strategy",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/**")]), strategy="exact")',
+        "Use `auto`, `restore`, `compact` or `mask`.",
+    ),
+    (
+        "A plan file with an error",
+        'ff.Plan.from_dict({"rules": [{"freeze": "**", "train": "head/**"}]}, source="plan.toml")',
+        "One action per rule; the message names the file and rule.",
+    ),
+    (
+        "A frozen element changed behind the optimizer's back",
+        'frz = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/**")]))\n'
+        'm.get_layer("encoder").bias.assign(np.ones(8, "float32"))\n'
+        "frz.verify()",
+        "Something other than the `FreezingOptimizer` wrote a frozen element: another optimizer, "
+        "an `assign`, a weight load, or the `mask` strategy with a stateful optimizer. Train with "
+        "`frz.wrap(optimizer)`; load weights before creating the Freezer.",
+    ),
+    (
+        "A loss scale optimizer inside the wrapper",
+        'frz = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/**")]))\n'
+        "frz.wrap(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))",
+        "Wrap the plain optimizer; under `mixed_float16`, `compile` puts the LossScaleOptimizer outside.",
+    ),
+    (
+        "The inexact mask strategy with a stateful optimizer",
+        'frz = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel[0]")]), strategy="mask")\n'
+        "frz.wrap(keras.optimizers.AdamW()).build(frz.trainable_variables)",
+        "A `FreezeWarning`, not an error: use `restore` or `compact` (or `auto`) for exactness.",
+    ),
+    (
+        "A delta file applied to another base",
+        'frz = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/**")]))\n'
+        'frz.save_delta("delta.safetensors")\n'
+        'other = model(); other.get_layer("encoder").bias.assign(np.ones(8, "float32"))\n'
+        'ff.load_delta(other, "delta.safetensors")',
+        "Apply the delta to the model it was trained from; nothing is written when it is refused.",
+    ),
+    (
+        "A Freezer created outside the tf.distribute scope",
+        "import tensorflow as tf\n"
+        'strategy = tf.distribute.MirroredStrategy(["/cpu:0"])\n'
+        "with strategy.scope():\n"
+        "    dm = model()\n"
+        'ff.Freezer(dm, ff.Plan([ff.freeze("**/encoder/**")]))',
+        "Create the Freezer and the optimizer inside `with strategy.scope():`, where the model was built.",
+    ),
+]
+
+
+def run(code):
+    import tempfile
+
+    ns = {"ff": ff, "keras": keras, "np": np, "model": model, "m": model()}
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(record=True) as caught:
+        os.chdir(tmp)  # files the examples write land here
+        warnings.simplefilter("always")
+        try:
+            exec(code, ns)  # noqa: S102 - the page's own examples
+        except Exception as e:  # noqa: BLE001 - we print whatever the user would see
+            return type(e), str(e)
+        finally:
+            os.chdir(here)
+    for w in caught:
+        if issubclass(w.category, ff.FreezeWarning):
+            return w.category, str(w.message)
+    raise AssertionError(f"no error or warning from:\n{code}")
+
+
+def page() -> str:
+    out = [
+        "# Troubleshooting",
+        "",
+        "Every message below is real: `python docs/gen/troubleshooting.py --write` runs each",
+        "mistake and prints what finefreeze says (`tests/test_docs.py` keeps the page true).",
+        "Errors are raised before anything changes: flags, values and files stay as they were.",
+        "",
+        "| exception | kind of failure |",
+        "|---|---|",
+        "| `ff.PlanError` (a `ValueError`) | a plan, rule, selector or plan file that does not resolve |",
+        "| `ff.FrozenValueChanged` (an `AssertionError`) | `verify()` found a frozen element that moved |",
+        "| `ff.DeltaError` (a `ValueError`) | a delta file that does not fit its base, or is damaged |",
+        "| `ff.DistributionError` (a `RuntimeError`) | a Freezer or optimizer outside its strategy's scope |",
+        "| `TypeError` | an optimizer that cannot be wrapped |",
+        "| `ff.FreezeWarning` (a `UserWarning`) | works, but probably not what you want |",
+        "",
+        "The command line prints the first line of the same message and exits with status 2",
+        "([cli.md](cli.md)).",
+        "",
+    ]
+    for title, code, fix in CASES:
+        kind, message = run(code)
+        name = f"ff.{kind.__name__}" if hasattr(ff, kind.__name__) else kind.__name__
+        out += [
+            f"## {title}",
+            "",
+            "```python",
+            code,
+            "```",
+            "",
+            "```",
+            "\n".join(
+                wrapped
+                for line in f"{name}: {message}".splitlines()
+                for wrapped in (textwrap.wrap(line, 100, break_long_words=False, subsequent_indent="    ") or [""])
+            ),
+            "```",
+            "",
+            f"**Fix.** {fix}",
+            "",
+        ]
+    return "\n".join(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="write docs/troubleshooting.md")
+    args = p.parse_args()
+    text = page()
+    if args.write:
+        (ROOT / "docs" / "troubleshooting.md").write_text(text)
+        print("wrote docs/troubleshooting.md")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
