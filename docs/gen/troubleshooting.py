@@ -83,6 +83,47 @@ CASES = [
         "`re:` selectors are Python regular expressions matched against the whole path.",
     ),
     (
+        "Index tuples that do not fit",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel", indices=[(5, 0)])]))',
+        "`indices=` takes full index tuples, one per element, within the shape.",
+    ),
+    (
+        "A where= function that raises",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel", where=lambda w: w[9, 9] > 0)]))',
+        "The function gets the variable's numpy value once, at resolution; make it work for every "
+        "variable the selector matches (or narrow the selector).",
+    ),
+    (
+        "A selector of an unknown type",
+        "ff.freeze(42)",
+        "Selectors are strings (globs, `re:`), layer classes or instances, variables or callables.",
+    ),
+    (
+        "A bad glob",
+        'ff.freeze("encoder/***")',
+        "`*` matches within a path segment, `**` across segments; there is no `***`.",
+    ),
+    (
+        "A layer class the model does not have",
+        'ff.Freezer(m, ff.Plan([ff.freeze({"layer_class": "Conv2D"})]))',
+        "The class (or its name in plan files) must match a layer of the model; check `model.summary()`.",
+    ),
+    (
+        "Something that is not a rule in a plan",
+        'ff.Plan(["**"])',
+        'Wrap selectors in rules: `ff.Plan([ff.freeze("**")])`.',
+    ),
+    (
+        "An unknown key in a plan file",
+        'ff.Plan.from_dict({"rules": [{"freeze": "**", "mask_": 1}]}, source="plan.yaml")',
+        "Rule keys are `freeze` or `train`, and optionally `mask`, `indices`, `lr_scale`.",
+    ),
+    (
+        "A target that is not a model",
+        'ff.Freezer("model.keras", ff.Plan([ff.freeze("**")]))',
+        "Load the model first (`keras.models.load_model`), or use `finefreeze inspect model.keras` from the shell.",
+    ),
+    (
         "A plan that leaves nothing to train",
         'ff.Freezer(m, ff.Plan([ff.freeze("**")]))',
         "Add a `train(...)` rule after the freeze (the last rule that selects an element wins).",
