@@ -253,3 +253,13 @@ def test_multiworker_mirrored_two_processes_agree(tmp_path, strategy):
     assert reports[0]["weights_sha256"] == reports[1]["weights_sha256"]
     assert reports[0]["totals"] == reports[1]["totals"]
     assert reports[0]["iterations"] == reports[1]["iterations"] == 8
+
+
+def test_freezeboard_under_mirrored_strategy(tmp_path):
+    with mirrored().scope():
+        model, frz = make()
+    board = ff.callbacks.FreezeBoard(tmp_path)
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[board])
+    trainable, frozen = board.last_gradient_norms
+    assert trainable > 0 and frozen == 0.0
+    frz.verify()

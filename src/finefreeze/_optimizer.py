@@ -21,7 +21,7 @@ import numpy as np
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
-from finefreeze._strategies import STRATEGIES, Slot, choose, write_all
+from finefreeze._strategies import STRATEGIES, Slot, _assign, choose, write_all
 from finefreeze._targets import var_path
 
 __all__ = ["FreezingOptimizer", "inexact_reasons"]
@@ -613,8 +613,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 tn += tf.reduce_sum(tf.square(g - frozen))
             else:
                 tn += tf.reduce_sum(tf.square(g))
-        self._slots.norms[0].assign(tf.sqrt(tn))
-        self._slots.norms[1].assign(tf.sqrt(fn))
+        write_all([(self._slots.norms[0], _assign, (tf.sqrt(tn),)), (self._slots.norms[1], _assign, (tf.sqrt(fn),))])
 
     def finalize_variable_values(self, var_list):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
