@@ -1,5 +1,8 @@
 """Dynamic freezing: Freezer.update, FreezeSchedule, GradualUnfreezing, retracing, state carried over."""
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -90,7 +93,10 @@ def test_newly_trainable_elements_start_with_zero_state_and_newly_frozen_release
     fit(model, 1)
     names = lambda: {v.name for v in opt.inner_optimizer.variables}  # noqa: E731
     assert not any(n.startswith("b_") for n in names())
+    a_slots = [weakref.ref(v) for v in opt.inner_optimizer.variables if v.name.startswith("a_kernel")]
     frz.update(ff.Plan([ff.freeze("a/**")]))
+    gc.collect()
+    assert a_slots and not any(ref() is not None for ref in a_slots)  # released, not just unused
     assert any(n.startswith("b_kernel") for n in names()) and not any(n.startswith("a_") for n in names())
     slots = [v for v in opt.inner_optimizer.variables if v.name.startswith("b_kernel")]
     assert slots and all(np.array_equal(v.numpy(), np.zeros(v.shape)) for v in slots)
