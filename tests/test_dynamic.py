@@ -287,3 +287,22 @@ def test_transition_under_mixed_precision():
     assert not np.array_equal(before["block_2/kernel"][:4], after["block_2/kernel"][:4])
     assert np.array_equal(before["block_0/kernel"], after["block_0/kernel"])
     frz.verify()
+
+
+def test_freeze_schedule_by_epoch_with_validation_and_steps_per_execution():
+    keras.utils.set_random_seed(2)
+    model = blocks_model()
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), ff.train("head/**")]))
+    model.compile(optimizer=frz.wrap(keras.optimizers.AdamW(0.01)), loss="mse", steps_per_execution=2)
+    x = np.random.default_rng(0).normal(size=(32, 8))
+    y = np.random.default_rng(1).normal(size=(32, 2))
+    sched = ff.callbacks.FreezeSchedule({1: ff.Plan([ff.freeze("**"), ff.train("block_0/**")])})
+    before = snapshot(model)
+    hist = model.fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x, y), callbacks=[sched])
+    after = snapshot(model)
+    assert len(hist.history["val_loss"]) == 2
+    assert [h["step"] for h in frz.history] == [0, 4]
+    assert not np.array_equal(before["block_0/kernel"], after["block_0/kernel"])  # trained in epoch 1
+    assert not np.array_equal(before["head/kernel"], after["head/kernel"])  # trained in epoch 0
+    assert np.array_equal(before["block_1/kernel"], after["block_1/kernel"])
+    frz.verify()
