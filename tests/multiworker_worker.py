@@ -66,6 +66,8 @@ def main(out_path):
         "frozen_ok": bool(frozen_ok),
         "trained": bool(trained),
         "weights_sha256": digest,
+        # the Freezer's fingerprint of the frozen elements (block hashes), after training
+        "fingerprint": hashlib.sha256(b"".join(e.hashes.tobytes() for e in frz._fingerprint.entries)).hexdigest(),
         "iterations": int(opt.iterations.numpy()),
         "totals": frz.report()["totals"],
     }

@@ -199,6 +199,14 @@ def test_freezer_outside_the_scope_is_a_clear_error_and_changes_nothing():
         ff.Freezer(plain, ff.Plan([ff.freeze("**/a/bias")]))
 
 
+def test_nested_scopes_of_two_strategies_fail_at_the_nesting_before_anything_is_built():
+    other = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # never runs a step
+    with mirrored().scope():
+        with pytest.raises(RuntimeError, match="Mixing different tf.distribute.Strategy objects"):
+            with other.scope():
+                pass  # TensorFlow refuses here: no Freezer can be created half-nested
+
+
 def test_summary_and_report_on_distributed_variables():
     with mirrored().scope():
         model, frz = make()
@@ -251,6 +259,7 @@ def test_multiworker_mirrored_two_processes_agree(tmp_path, strategy):
     assert [r["task"] for r in reports] == [0, 1]
     assert all(r["frozen_ok"] and r["trained"] for r in reports)
     assert reports[0]["weights_sha256"] == reports[1]["weights_sha256"]
+    assert reports[0]["fingerprint"] == reports[1]["fingerprint"]
     assert reports[0]["totals"] == reports[1]["totals"]
     assert reports[0]["iterations"] == reports[1]["iterations"] == 8
 

@@ -4,16 +4,12 @@ Writes docs/api.md:  python docs/gen/api.py --write
 (``tests/test_docs.py`` checks the committed page is what this prints.)
 """
 
-import argparse
 import inspect
 import os
-import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import finefreeze as ff  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def public_symbols():
@@ -76,17 +72,7 @@ def page() -> str:
     return "\n".join(out)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="write docs/api.md")
-    args = p.parse_args()
-    text = page()
-    if args.write:
-        (ROOT / "docs" / "api.md").write_text(text)
-        print("wrote docs/api.md")
-    else:
-        print(text)
-
-
 if __name__ == "__main__":
-    main()
+    from _page import page_main
+
+    page_main(__doc__, "api.md", page)

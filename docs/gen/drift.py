@@ -11,7 +11,6 @@ move, the first step with a move, and finefreeze's count (0 everywhere, or the
 script fails).
 """
 
-import argparse
 import os
 import pathlib
 import sys
@@ -84,10 +83,7 @@ def cell(share, worst, first):
     return f"{100 * share:.0f} % · {worst:.1e} · step {first}" if first else "0"
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="write docs/drift.md")
-    args = p.parse_args()
+def page() -> str:
     rows = []
     for name, make_opt in OPTIMIZERS.items():
         cells = [cell(*run(make_opt, "mask", warm)) for warm in (0, WARM)]
@@ -123,10 +119,10 @@ def main():
             "",
         ]
     )
-    if args.write:
-        (ROOT / "docs" / "drift.md").write_text(text)
-        print("wrote docs/drift.md")
+    return text
 
 
 if __name__ == "__main__":
-    main()
+    from _page import page_main
+
+    page_main(__doc__, "drift.md", page)

@@ -4,9 +4,7 @@ Writes docs/troubleshooting.md:  python docs/gen/troubleshooting.py --write
 (``tests/test_docs.py`` checks the committed page is what this prints.)
 """
 
-import argparse
 import os
-import pathlib
 import textwrap
 import warnings
 
@@ -16,8 +14,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import finefreeze as ff  # noqa: E402
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def model():
@@ -249,17 +245,7 @@ def page() -> str:
     return "\n".join(out)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--write", action="store_true", help="write docs/troubleshooting.md")
-    args = p.parse_args()
-    text = page()
-    if args.write:
-        (ROOT / "docs" / "troubleshooting.md").write_text(text)
-        print("wrote docs/troubleshooting.md")
-    else:
-        print(text)
-
-
 if __name__ == "__main__":
-    main()
+    from _page import page_main
+
+    page_main(__doc__, "troubleshooting.md", page)

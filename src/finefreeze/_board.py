@@ -10,15 +10,6 @@ import keras
 __all__ = ["FreezeBoard"]
 
 
-def _freezing_optimizer(model):
-    from finefreeze._optimizer import FreezingOptimizer
-
-    opt = getattr(model, "optimizer", None)
-    while opt is not None and not isinstance(opt, FreezingOptimizer):
-        opt = getattr(opt, "inner_optimizer", None)
-    return opt
-
-
 class FreezeBoard(keras.callbacks.Callback):
     """Write the freeze plan and its enforcement to TensorBoard event files.
 
@@ -76,21 +67,6 @@ class FreezeBoard(keras.callbacks.Callback):
         self.last_gradient_norms: tuple[float, float] | None = None
 
     # -- plumbing --------------------------------------------------------------
-    def _tf(self):
-        import tensorflow as tf
-
-        return tf
-
-    def _resolve(self):
-        opt = _freezing_optimizer(self.model)
-        frz = self._freezer or (opt.freezer if opt is not None else None)
-        if frz is None:
-            raise TypeError(
-                "FreezeBoard needs a Freezer: compile the model with optimizer=frz.wrap(...) "
-                "or pass FreezeBoard(log_dir, freezer=frz)."
-            )
-        return frz, opt
-
     def _step(self) -> int:
         if self._opt is not None:
             return int(keras.ops.convert_to_numpy(self._opt.iterations))
@@ -99,9 +75,10 @@ class FreezeBoard(keras.callbacks.Callback):
     # -- what is written ------------------------------------------------------
     def write_plan(self, step: int | None = None) -> None:
         """Write the summary table, frozen fractions and mask images now."""
+        import tensorflow as tf
+
         from finefreeze._maskview import frozen_fraction_image, to_rgb
 
-        tf = self._tf()
         frz = self._freezer_now
         step = self._step() if step is None else step
         rep = frz.report()
@@ -125,15 +102,20 @@ class FreezeBoard(keras.callbacks.Callback):
         if norms is None:
             return
         self.last_gradient_norms = norms
-        tf = self._tf()
+        import tensorflow as tf
+
         with self._writer.as_default(step=self._step()):
             tf.summary.scalar("grad_norm/trainable", norms[0])
             tf.summary.scalar("grad_norm/frozen", norms[1])
 
     # -- callback hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
-        tf = self._tf()
-        self._freezer_now, self._opt = self._resolve()
+        import tensorflow as tf
+
+        from finefreeze._optimizer import find_freezing_optimizer, freezer_of
+
+        self._freezer_now = freezer_of(self.model, self._freezer, "FreezeBoard")
+        self._opt = find_freezing_optimizer(self.model)
         os.makedirs(self.log_dir, exist_ok=True)
         self._writer = tf.summary.create_file_writer(self.log_dir)
         self.write_plan()

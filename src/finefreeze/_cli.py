@@ -103,24 +103,35 @@ def cmd_delta_apply(args) -> int:
     return 0
 
 
+_MODEL_HELP = "a .keras model (default: the bundled text model)"
+_PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
+
+
+def _command(sub, name: str, fn, help: str, description: str) -> argparse.ArgumentParser:
+    """One subcommand: its parser, help line, description and handler."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(fn=fn)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
     p = argparse.ArgumentParser(prog="finefreeze", description="Freeze any part of a Keras model, exactly.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    ft = sub.add_parser(
+    ft = _command(
+        sub,
         "finetune",
-        help="fine-tune a model under a plan (bundled example by default)",
-        description=(
-            "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
-            "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to --out. "
-            "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
-            "plan that trains only the new embedding rows and the head."
-        ),
+        cmd_finetune,
+        "fine-tune a model under a plan (bundled example by default)",
+        "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
+        "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to --out. "
+        "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
+        "plan that trains only the new embedding rows and the head.",
     )
-    ft.add_argument("model", nargs="?", help="a .keras model (default: the bundled text model)")
+    ft.add_argument("model", nargs="?", help=_MODEL_HELP)
     ft.add_argument("--data", help=".npz with x, y (optional x_val, y_val); required with MODEL")
-    ft.add_argument("--plan", help="plan file (.json, .toml, .yaml); default: the plan saved in MODEL or bundled")
+    ft.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
     ft.add_argument("--optimizer", default="adamw", help="a Keras optimizer name (default: adamw)")
     ft.add_argument("--lr", type=float, default=5e-3, help="learning rate (default: 5e-3)")
     ft.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
@@ -133,49 +144,52 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
-    ft.set_defaults(fn=cmd_finetune)
 
-    ins = sub.add_parser(
+    ins = _command(
+        sub,
         "inspect",
-        help="show what a plan freezes, without training",
-        description="Print the freeze summary of MODEL under PLAN (bundled example by default).",
+        cmd_inspect,
+        "show what a plan freezes, without training",
+        "Print the freeze summary of MODEL under PLAN (bundled example by default).",
     )
-    ins.add_argument("model", nargs="?", help="a .keras model (default: the bundled text model)")
-    ins.add_argument("--plan", help="plan file (.json, .toml, .yaml); default: the plan saved in MODEL or bundled")
+    ins.add_argument("model", nargs="?", help=_MODEL_HELP)
+    ins.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.add_argument("--layers-only", action="store_true", help="one row per layer")
-    ins.set_defaults(fn=cmd_inspect)
 
-    ver = sub.add_parser(
+    ver = _command(
+        sub,
         "verify",
-        help="check that a fine-tune left every frozen element bit-identical",
-        description="Exit 0 when every element PLAN freezes is bit-identical in BASE and TUNED, 1 otherwise.",
+        cmd_verify,
+        "check that a fine-tune left every frozen element bit-identical",
+        "Exit 0 when every element PLAN freezes is bit-identical in BASE and TUNED, 1 otherwise.",
     )
     ver.add_argument("base", help="the .keras model fine-tuning started from")
     ver.add_argument("tuned", help="the fine-tuned .keras model")
-    ver.add_argument("--plan", help="plan file; default: the plan saved in TUNED's optimizer")
-    ver.set_defaults(fn=cmd_verify)
+    ver.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
 
     dl = sub.add_parser("delta", help="export or apply a delta file", description="Delta files (safetensors).")
     dsub = dl.add_subparsers(dest="delta_command", required=True, metavar="ACTION")
-    ex = dsub.add_parser(
+    ex = _command(
+        dsub,
         "export",
-        help="write what TUNED trained to a delta file",
-        description="Write the trainable elements of TUNED under PLAN to a .safetensors delta.",
+        cmd_delta_export,
+        "write what TUNED trained to a delta file",
+        "Write the trainable elements of TUNED under PLAN to a .safetensors delta.",
     )
     ex.add_argument("tuned", help="the fine-tuned .keras model")
     ex.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
-    ex.add_argument("--plan", help="plan file; default: the plan saved in TUNED's optimizer")
-    ex.set_defaults(fn=cmd_delta_export)
-    ap = dsub.add_parser(
+    ex.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
+    ap = _command(
+        dsub,
         "apply",
-        help="apply a delta file to its base model",
-        description="Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result.",
+        cmd_delta_apply,
+        "apply a delta file to its base model",
+        "Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result.",
     )
     ap.add_argument("base", help="the .keras base model")
     ap.add_argument("delta", help="the .safetensors delta")
     ap.add_argument("-o", "--output", required=True, help="the .keras file to write")
-    ap.set_defaults(fn=cmd_delta_apply)
     return p
 
 

@@ -143,7 +143,7 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
         >>> base.numpy().tolist()
         [[0.0, 0.0], [1.0, 2.0]]
     """
-    from finefreeze._targets import collect
+    from finefreeze._targets import collect, match_path
 
     path = os.fspath(path)
     meta, tensors = _read(path)
@@ -155,7 +155,10 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
     by_path = {n: vi for vi in t.variables for n in vi.names}
     writes = []
     for p, info in variables.items():
-        vi = by_path.get(p)
+        try:
+            vi = match_path(p, by_path)
+        except PlanError as e:
+            raise DeltaError(f"delta {path!r}: {e}") from None
         if vi is None:
             raise DeltaError(f"delta {path!r}: the base has no variable {p!r} (shape {tuple(info['shape'])}).")
         if list(vi.shape) != info["shape"] or np.dtype(vi.dtype) != np.dtype(info["dtype"]):

@@ -5,19 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 from finefreeze._errors import DistributionError
+from finefreeze._strategies import _tf_variable
 
 __all__ = ["owner_strategy", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
-
-
-def _tf_var(v):
-    return getattr(v, "value", v) if not hasattr(v, "_distribute_strategy") else v
 
 
 def owner_strategy(variables):
     """The ``tf.distribute`` strategy whose scope created ``variables``, or None."""
     owners = {}
     for v in variables:
-        s = getattr(_tf_var(v), "_distribute_strategy", None)
+        s = getattr(_tf_variable(v), "_distribute_strategy", None)
         if s is not None:
             owners[id(s)] = s
     if len(owners) > 1:
@@ -79,7 +76,7 @@ def owner_scope(variables):
 
 def replica_values(variable) -> list[np.ndarray]:
     """The value of every replica's copy of ``variable`` (one item when not distributed)."""
-    v = _tf_var(variable)
+    v = _tf_variable(variable)
     copies = getattr(v, "values", None)
     if isinstance(copies, tuple) and copies:
         return [np.asarray(c.numpy()) for c in copies]

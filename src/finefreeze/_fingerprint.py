@@ -99,14 +99,12 @@ class Fingerprint:
             PlanError: ``reference`` lacks a variable or has another shape.
         """
         from finefreeze._errors import PlanError
+        from finefreeze._targets import match_path
 
         by_path = {n: vi for vi in reference.variables for n in vi.names}
         bad = []
         for e in self.entries:
-            ref = by_path.get(e.path)
-            if ref is None:
-                near = [vi for n, vi in by_path.items() if n.endswith("/" + e.path) or e.path.endswith("/" + n)]
-                ref = near[0] if len(near) == 1 else None
+            ref = match_path(e.path, by_path)
             if ref is None:
                 raise PlanError(f"the reference has no variable {e.path!r} (shape {e.shape}); compare the same model.")
             if tuple(ref.shape) != tuple(e.shape):

@@ -178,10 +178,10 @@ class Freezer:
 
     def _optimizers(self) -> list[FreezingOptimizer]:
         """Live optimizers this Freezer wrapped, and a FreezingOptimizer compiled into its model."""
-        from finefreeze._board import _freezing_optimizer
+        from finefreeze._optimizer import find_freezing_optimizer
 
         opts = [o for o in (r() for r in self._wrapped) if o is not None]
-        compiled = _freezing_optimizer(self._target.obj)
+        compiled = find_freezing_optimizer(self._target.obj)
         if compiled is not None and compiled.freezer is None:  # a loaded model's optimizer
             opts.append(compiled)
         return opts
@@ -255,12 +255,9 @@ class Freezer:
         return self
 
     def _step(self) -> int:
-        for opt in self._optimizers():
-            try:
-                return int(np.asarray(opt.iterations.numpy()))
-            except Exception:  # pragma: no cover - unbuilt or symbolic
-                continue
-        return 0
+        """The optimizer step of this Freezer's first optimizer (0 without one)."""
+        opts = self._optimizers()
+        return int(np.asarray(opts[0].iterations.numpy())) if opts else 0
 
     def _record(self, step: int, retraced: bool) -> None:
         import time

@@ -22,9 +22,9 @@ from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
 from finefreeze._strategies import STRATEGIES, Slot, _assign, choose, write_all
-from finefreeze._targets import var_path
+from finefreeze._targets import match_path, var_path
 
-__all__ = ["FreezingOptimizer", "inexact_reasons"]
+__all__ = ["FreezingOptimizer", "inexact_reasons", "find_freezing_optimizer", "freezer_of"]
 
 from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
@@ -57,16 +57,6 @@ class _Decision:
     mask: Any = None  # ElementMask, or a saved layout entry (dict)
     n_trainable: int | None = None
     scale: Any = 1.0  # float, or a per-element float32 array
-
-
-class _Frozen:
-    """A numpy value standing in for an optimizer variable that is gone."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def numpy(self):
-        return self.value
 
 
 class _Slots:
@@ -230,10 +220,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         return out
 
     def _decisions_from_layout(self, var_list) -> list[_Decision]:
-        entries = list(self._layout["variables"]) + [{"path": p, "strategy": "frozen"} for p in self._layout["frozen"]]
+        entries = {e["path"]: e for e in self._layout["variables"]}
+        entries.update({p: {"path": p, "strategy": "frozen"} for p in self._layout["frozen"]})
         out = []
         for v in var_list:
-            e = _match_layout(var_path(v), entries)
+            e = match_path(var_path(v), entries, "variable (in the saved freeze layout)")
             if e is None:
                 out.append(_Decision(v, TRAINABLE))
             elif e["strategy"] == "frozen":
@@ -427,18 +418,14 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 return False
             plans.append((slot, d, scale))
         for slot, d, scale in plans:
-            if slot.kind in ("restore", "mask"):
-                was = np.asarray(slot.mask.numpy())
-                now = d.mask.dense()
-                if not np.array_equal(was, now):
-                    self._reset_state(slot, newly_trainable=was & ~now)
-                    slot.mask.assign(now)
-            elif slot.kind == "compact":
-                old_idx = np.asarray(slot.index.numpy()).astype(np.int64)
-                new_idx = d.mask.trainable_flat_indices()
-                if not np.array_equal(old_idx, new_idx):
-                    self._remap_state([(slot, old_idx)], {id(slot.variable): (slot, new_idx)})
-                    slot.index.assign(new_idx.astype(np.int32))
+            if slot.kind in ("restore", "mask") and not np.array_equal(slot.mask.numpy(), d.mask.dense()):
+                held = self._state_snapshot(slot)
+                slot.mask.assign(d.mask.dense())
+                self._carry_state(slot, *held)
+            elif slot.kind == "compact" and not np.array_equal(slot.index.numpy(), d.mask.trainable_flat_indices()):
+                held = self._state_snapshot(slot)
+                slot.index.assign(d.mask.trainable_flat_indices().astype(np.int32))
+                self._carry_state(slot, *held)
             if scale is not None:
                 slot.scale.assign(scale)
         return True
@@ -454,54 +441,42 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 out.append((name[len(prefix) :], w))
         return out
 
-    def _reset_state(self, slot, newly_trainable: np.ndarray):
-        """Fresh state for newly trainable elements of a dense slot."""
-        value = np.asarray(slot.variable.numpy())
+    @staticmethod
+    def _elements(slot, trained_only: bool) -> np.ndarray:
+        """Flat indices of the model elements behind a slot's per-element state, in state order."""
+        if slot.kind == "compact":
+            return np.asarray(slot.index.numpy()).astype(np.int64)
+        idx = np.arange(int(np.prod(slot.shape, dtype=np.int64)))
+        if trained_only and slot.mask is not None:
+            idx = idx[~np.asarray(slot.mask.numpy()).reshape(-1)]
+        return idx
+
+    def _state_snapshot(self, slot) -> tuple[np.ndarray, dict]:
+        """``(elements, {suffix: values})`` of the state a slot holds for its trainable elements."""
+        idx = self._elements(slot, trained_only=True)
+        pick = slice(None) if slot.kind == "compact" else idx
+        return idx, {sfx: np.asarray(w.numpy()).reshape(-1)[pick] for sfx, w in self._inner_state(slot)}
+
+    def _carry_state(self, slot, old_idx: np.ndarray, old_state: dict) -> None:
+        """Give ``slot`` the state of :meth:`_state_snapshot`, element by element.
+
+        Elements that held state keep it; every other element starts fresh: zero,
+        or for EMA averages the element's current value (what Keras does at step 0).
+        """
+        new_idx = self._elements(slot, trained_only=False)
+        value = np.asarray(slot.variable.numpy()).reshape(-1)[new_idx]
+        pos = np.minimum(np.searchsorted(old_idx, new_idx), max(old_idx.size - 1, 0))
+        kept = old_idx[pos] == new_idx if old_idx.size else np.zeros(new_idx.size, bool)
         for suffix, w in self._inner_state(slot):
-            cur = np.asarray(w.numpy())
-            fresh = value if suffix == "average" else np.zeros_like(cur)
-            w.assign(np.where(newly_trainable.reshape(cur.shape), fresh.reshape(cur.shape), cur))
-
-    def _remap_state(self, old_slots, new_by_id):
-        """Carry per-element state from old slots to new ones, element by element."""
-        for old_slot, old_idx in old_slots:
-            hit = new_by_id.get(id(old_slot.variable))
-            if hit is None:
-                continue
-            new_slot, new_idx = hit
-            old_state = {suffix: np.asarray(w.numpy()).reshape(-1) for suffix, w in self._state_of(old_slot)}
-            value = np.asarray(new_slot.variable.numpy()).reshape(-1)
-            pos = np.searchsorted(old_idx, new_idx)
-            pos_c = np.minimum(pos, max(old_idx.size - 1, 0))
-            kept = (old_idx.size > 0) & (old_idx[pos_c] == new_idx) if old_idx.size else np.zeros(new_idx.size, bool)
-            for suffix, w in self._inner_state(new_slot):
-                if suffix not in old_state:
-                    continue
-                fresh = value[new_idx].astype(old_state[suffix].dtype) if suffix == "average" else 0
-                out = np.where(kept, old_state[suffix][pos_c], fresh)
+            if suffix in old_state:
+                fresh = value if suffix == "average" else np.zeros_like(value)
+                out = np.where(kept, old_state[suffix][pos], fresh.astype(old_state[suffix].dtype))
                 w.assign(out.reshape(w.shape))
-
-    def _state_of(self, slot):
-        return getattr(slot, "_saved_state", None) or self._inner_state(slot)
 
     def _rebuild(self, decisions, var_list):
         """New slots and a new inner optimizer; state carried by element."""
         old_slots, old_inner = self._slots, self.inner_optimizer
-        carried = []
-        for slot in old_slots.ordered:
-            idx = (
-                np.asarray(slot.index.numpy()).astype(np.int64)
-                if slot.kind == "compact"
-                else np.arange(int(np.prod(slot.shape, dtype=np.int64)))
-            )
-            if slot.mask is not None:  # frozen elements of a dense slot have no state worth keeping
-                idx = idx[~np.asarray(slot.mask.numpy()).reshape(-1)]
-            # state values aligned with idx (compact state already is)
-            pick = slice(None) if slot.kind == "compact" else idx
-            slot._saved_state = [
-                (sfx, _Frozen(np.asarray(w.numpy()).reshape(-1)[pick])) for sfx, w in self._inner_state(slot)
-            ]
-            carried.append((slot, idx))
+        held = {id(slot.variable): self._state_snapshot(slot) for slot in old_slots.ordered}
         shared = _keyed(old_inner.variables)
         ours = {id(w) for s in old_slots.ordered for w in (s.mask, s.index, s.shadow, s.scale) if w is not None}
         self._variables[:] = [w for w in self._variables if id(w) not in ours]
@@ -510,20 +485,13 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._layout = None
         with keras.name_scope(self.name, caller=self):
             self._build_slots(decisions)
-        new_by_id = {}
-        for slot in self._slots.ordered:
-            if slot.kind == "compact":
-                new_idx = np.asarray(slot.index.numpy()).astype(np.int64)
-            else:
-                new_idx = np.arange(int(np.prod(slot.shape, dtype=np.int64)))
-            new_by_id[id(slot.variable)] = (slot, new_idx)
         per_element = {id(w) for s in self._slots.ordered for _, w in self._inner_state(s)}
         for key, w in _keyed(inner.variables, values=False).items():
             if id(w) not in per_element and key in shared:
                 w.assign(shared[key])  # iterations, learning rate, factored and other global state
-        self._remap_state(carried, new_by_id)
-        for slot, _ in carried:
-            del slot._saved_state
+        for slot in self._slots.ordered:
+            if id(slot.variable) in held:
+                self._carry_state(slot, *held[id(slot.variable)])
         keras.optimizers.Optimizer.build(self, var_list)
 
     @_no_tracking
@@ -661,6 +629,30 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         )
 
 
+def find_freezing_optimizer(model) -> FreezingOptimizer | None:
+    """The FreezingOptimizer compiled into ``model``, looking through wrappers such as LossScaleOptimizer."""
+    opt = getattr(model, "optimizer", None)
+    while opt is not None and not isinstance(opt, FreezingOptimizer):
+        opt = getattr(opt, "inner_optimizer", None)
+    return opt
+
+
+def freezer_of(model, given, who: str):
+    """``given``, else the Freezer whose ``wrap`` made ``model``'s optimizer.
+
+    Raises:
+        TypeError: there is neither; the message says how to fix it.
+    """
+    if given is not None:
+        return given
+    opt = find_freezing_optimizer(model)
+    if opt is None or opt.freezer is None:
+        raise TypeError(
+            f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
+        )
+    return opt.freezer
+
+
 def _keyed(variables, values=True) -> dict:
     """Variables by ``(name, shape, occurrence)``: names alone repeat (Adafactor's factored slots)."""
     out, seen = {}, {}
@@ -669,21 +661,6 @@ def _keyed(variables, values=True) -> dict:
         seen[k] = seen.get(k, 0) + 1
         out[(*k, seen[k])] = np.asarray(w.numpy()) if values else w
     return out
-
-
-def _match_layout(path, entries):
-    """The layout entry of ``path``; saved paths may have lost or gained a
-    model-name prefix (a reloaded Sequential drops its own name)."""
-    exact = [e for e in entries if e["path"] == path]
-    if exact:
-        return exact[0]
-    near = [e for e in entries if e["path"].endswith("/" + path) or path.endswith("/" + e["path"])]
-    if len(near) > 1:
-        raise PlanError(
-            f"variable {path!r} matches several saved freeze entries "
-            f"({', '.join(e['path'] for e in near)}); give layers unique names."
-        )
-    return near[0] if near else None
 
 
 def _const(value):

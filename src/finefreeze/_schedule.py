@@ -31,18 +31,9 @@ class _PlanCallback(keras.callbacks.Callback):
         self._applied: Any = None
 
     def _find_freezer(self):
-        from finefreeze._board import _freezing_optimizer
+        from finefreeze._optimizer import freezer_of
 
-        if self._freezer is not None:
-            return self._freezer
-        opt = _freezing_optimizer(self.model)
-        frz = opt.freezer if opt is not None else None
-        if frz is None:
-            raise TypeError(
-                f"{type(self).__name__} needs a Freezer: compile the model with optimizer=frz.wrap(...) "
-                f"or pass {type(self).__name__}(..., freezer=frz)."
-            )
-        return frz
+        return freezer_of(self.model, self._freezer, type(self).__name__)
 
     def _validate(self, frz, plans: dict) -> None:
         """Resolve every plan before training starts: a bad one fails now, not at epoch 7."""

@@ -92,14 +92,13 @@ def write_all(writes) -> None:
             strategy.extended.update(var, fn, args=args, group=False)
 
     args = [a for _, _, a in writes]
-    owner = next((o for o in (getattr(v, "_distribute_strategy", None) for v in tf_vars) if o is not None), None)
-    if owner is not None and (not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()):
-        with owner.scope():  # e.g. finalize_variable_values after fit, outside the scope
-            merged(owner, *args)
-    elif owner is None or tf.distribute.in_cross_replica_context():
-        merged(tf.distribute.get_strategy(), *args)
-    else:
+    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
         tf.__internal__.distribute.interim.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
+        return
+    from finefreeze._distribute import owner_scope
+
+    with owner_scope(tf_vars):  # e.g. finalize_variable_values after fit, outside the scope
+        merged(tf.distribute.get_strategy(), *args)
 
 
 def _unravel(tf, flat, shape):

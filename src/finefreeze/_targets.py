@@ -25,6 +25,26 @@ def var_path(v) -> str:
     return name.rsplit(":", 1)[0] if ":" in name else name
 
 
+def match_path(path: str, by_path: dict, what: str = "variable"):
+    """The value stored under ``path``, allowing one model-name prefix more or less.
+
+    Saved and reloaded models disagree on that prefix (a reloaded Sequential
+    drops its own name), so an exact match wins, then a unique match that
+    differs by leading path segments.
+
+    Raises:
+        PlanError: several entries match only by suffix.
+    """
+    if path in by_path:
+        return by_path[path]
+    near = [k for k in by_path if k.endswith("/" + path) or path.endswith("/" + k)]
+    if len(near) > 1:
+        from finefreeze._errors import PlanError
+
+        raise PlanError(f"{what} {path!r} matches several entries ({', '.join(near)}); give layers unique names.")
+    return by_path[near[0]] if near else None
+
+
 def base_trainable(obj) -> bool:
     """The ``trainable`` flag of a variable or layer before finefreeze set it."""
     if hasattr(obj, _BASE_ATTR):
