@@ -62,13 +62,14 @@ def test_freezeboard_writes_table_fractions_masks_and_gradient_norms(tmp_path, s
         assert np.array_equal(img[~frozen], np.broadcast_to(TRAINED_RGB, img[~frozen].shape))
     assert not any(t.startswith("frozen_mask/ln_1") for t in tags)  # fully frozen: no image by default
 
-    # gradient norms at every optimizer step: trainable > 0, frozen exactly 0
+    # gradient norms at every optimizer step, of what trains and of what the plan blocked
+    # (their values are checked against a tape in tests/test_seams.py)
     steps = 2 * 3
     tn = [(e.step, float(make_ndarray(e.tensor_proto))) for e in acc.Tensors("grad_norm/trainable")]
     fn = [(e.step, float(make_ndarray(e.tensor_proto))) for e in acc.Tensors("grad_norm/frozen")]
     assert [s for s, _ in tn] == list(range(1, steps + 1)) == [s for s, _ in fn]
     assert all(v > 0 for _, v in tn)
-    assert all(v == 0.0 for _, v in fn)
+    assert all(v > 0 for _, v in fn)  # the loss pushes on frozen elements; the plan blocks it
 
 
 def test_freezeboard_without_a_freezer_says_how_to_fix(tmp_path):

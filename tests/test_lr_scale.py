@@ -53,9 +53,13 @@ def test_adam_scales_the_step_not_the_gradient():
     assert np.array_equal(inner["w_velocity"], inner["u_velocity"])
 
 
-@pytest.mark.parametrize("make_opt", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
-def test_every_optimizer_one_step_is_scaled(make_opt):
-    dw, du, _ = linear_steps(ff.Plan([ff.train("u", lr_scale=0.25)]), make_opt, steps=1)
+@pytest.mark.parametrize("name", OPTIMIZERS.keys())
+def test_every_optimizer_first_update_is_scaled(name):
+    make_opt = OPTIMIZERS[name]
+    # with gradient accumulation the first update happens at the second step
+    steps = make_opt().gradient_accumulation_steps or 1
+    dw, du, _ = linear_steps(ff.Plan([ff.train("u", lr_scale=0.25)]), make_opt, steps=steps)
+    assert np.abs(dw).max() > 1e-3  # a real step to compare, not two zero steps
     np.testing.assert_allclose(du, 0.25 * dw, rtol=1e-5, atol=ATOL)
 
 
@@ -83,7 +87,7 @@ def test_partial_variable_with_two_scales_and_frozen_rows(strategy):
     np.testing.assert_allclose(dw[0], ref[0], rtol=1e-5, atol=ATOL)
     np.testing.assert_allclose(dw[1], 0.5 * ref[1], rtol=1e-5, atol=ATOL)
     np.testing.assert_allclose(du, 2.0 * ref, rtol=1e-5, atol=ATOL)
-    assert opt._slots.by_id[id(opt._slots.ordered[0].variable)].kind == strategy
+    assert opt.layout.by_path("w").kind == strategy
 
 
 def test_changing_lr_scale_takes_effect_without_rebuilding():

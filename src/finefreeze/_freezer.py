@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from finefreeze._errors import PlanError
+from finefreeze._layout import STRATEGIES, Layout
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
-from finefreeze._strategies import STRATEGIES, choose
 from finefreeze._targets import base_trainable, collect, remember_base
 
 if TYPE_CHECKING:
@@ -120,14 +121,27 @@ class Freezer:
         """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
         return self._state(path).state
 
+    @property
+    def layout(self) -> Layout:
+        """The per-variable layout in force: the one of the optimizer this Freezer wrapped last.
+
+        Before any ``wrap`` it is the layout ``wrap`` would make for an
+        elementwise optimizer (Adam, SGD, ...).
+        """
+        opts = self._optimizers()
+        if opts and opts[-1].layout is not None:
+            return opts[-1].layout
+        return Layout.from_resolution(self._res, self._strategy, None)
+
     def strategy_for(self, path: str) -> str | None:
-        """The strategy :meth:`wrap` uses for a partially frozen variable."""
+        """The strategy that enforces a partially frozen variable (None for others).
+
+        Read from :attr:`layout`, so it is what the optimizer does.
+        """
         st = self._state(path)
         if st.state != PARTIAL:
             return None
-        return choose(
-            self._strategy, st.n_trainable, st.info.size, getattr(st.variable, "constraint", None) is not None
-        )
+        return self.layout.get(st.variable).kind
 
     # -- flags and fingerprints ----------------------------------------------
     def activate(self) -> Freezer:
@@ -143,6 +157,10 @@ class Freezer:
         self._retrace()
         self._fingerprint = self._take_fingerprint()
         return self
+
+    def _rebase(self) -> None:
+        """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
+        self._fingerprint = self._take_fingerprint()
 
     def _set_flags(self) -> bool:
         """Set Keras flags from the resolution; return whether any changed."""
@@ -182,20 +200,25 @@ class Freezer:
 
         opts = [o for o in (r() for r in self._wrapped) if o is not None]
         compiled = find_freezing_optimizer(self._target.obj)
-        if compiled is not None and compiled.freezer is None:  # a loaded model's optimizer
+        if compiled is not None and compiled.freezer is None and compiled not in opts:  # a loaded model's
             opts.append(compiled)
         return opts
 
     def update(self, plan: Plan | list) -> Freezer:
         """Change what is frozen, between steps (also from a callback inside ``fit``).
 
-        The new plan is resolved first; a bad plan raises ``PlanError`` and
-        changes nothing. Element-mask and ``lr_scale`` changes of variables
-        that stay partially frozen take effect without retracing. Variable-level
-        changes set the Keras flags, rebuild the optimizers' slots and inner
+        A transaction: the new plan is resolved and checked against every
+        optimizer first; a plan that is refused raises and changes nothing
+        (flags, layout, optimizer state, fingerprints), and a failure while
+        the change is put in force is rolled back. Element-mask and
+        ``lr_scale`` changes of variables that stay partially frozen take
+        effect without retracing. Variable-level changes set the Keras flags,
+        rebuild the optimizers' per-variable state around the same inner
         optimizer (state kept for every element that stays trainable,
-        ``iterations`` kept, zero state for newly trainable elements, released
-        for newly frozen variables) and retrace the train function.
+        ``iterations`` and every optimizer setting kept, zero moments and an
+        EMA average equal to the current value for newly trainable elements,
+        state released for what stops training) and retrace the train
+        function.
         ``verify()`` keeps checking what was frozen before the change, up to
         the change, and checks newly frozen elements from now on. ``fit``
         picks up the retraced function itself; a custom loop wraps its step
@@ -228,26 +251,41 @@ class Freezer:
             plan = Plan(plan)
         if not isinstance(plan, Plan):
             raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
-        res = resolve(plan, self._target)
-        step = self._step()
-        self._earlier += [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
         import keras
 
-        old = self._res
-        self._res = res
-        retrace = self._set_flags()
-        obj = self._target.obj
-        var_list = list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
         from finefreeze._distribute import owner_scope
 
+        res = resolve(plan, self._target)
+        obj = self._target.obj
+        opts = self._optimizers()
+        old = self._res
+        # Everything that can refuse the plan runs before anything changes.
+        self._res = res
         try:
-            with owner_scope(var_list):  # new slot variables must be mirrored like the model's
-                for opt in self._optimizers():
-                    retrace |= opt.retarget(res, var_list)
+            flags_changed = self._set_flags()
+            var_list = list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
+            layouts = [opt.prepare_change(res, var_list) for opt in opts]
         except Exception:
             self._res = old
             self._set_flags()
             raise
+        step = self._step()
+        earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
+        undo = [opt.begin_change() for opt in opts]
+        retrace = True
+        try:
+            retrace = flags_changed
+            with owner_scope(var_list):  # new optimizer variables must be mirrored like the model's
+                for opt, layout in zip(opts, layouts):
+                    retrace |= opt.commit_change(res, layout, var_list)
+        except BaseException:
+            for u in undo:
+                opts[0].undo_change(u)
+            self._res = old
+            self._set_flags()
+            self._retrace()
+            raise
+        self._earlier += earlier
         if retrace:
             self._retrace()
         self._fingerprint = self._take_fingerprint()
@@ -337,18 +375,59 @@ class Freezer:
         Returns:
             The wrapping ``FreezingOptimizer``.
         """
-        import weakref
-
         from finefreeze._distribute import check_optimizer, check_scope
         from finefreeze._optimizer import FreezingOptimizer
 
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")
-        opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy or self._strategy, _resolution=self._res)
-        opt._freezer_ref = weakref.ref(self)
+        strategy = strategy or self._strategy
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        layout = Layout.from_resolution(self._res, strategy, optimizer)
+        opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy, _resolution=self._res, _layout=layout)
+        opt.refuse_nan(layout)
+        opt._attach(self)
         self._wrapped.append(weakref.ref(opt))
         return opt
+
+    @classmethod
+    def of(cls, model: Any) -> Freezer | None:
+        """The Freezer of a model compiled with a ``FreezingOptimizer``, or None.
+
+        For a model whose optimizer a Freezer's ``wrap`` made, that Freezer.
+        For a loaded model (``keras.models.load_model``) the Freezer is
+        rebuilt from what the optimizer saved: its plan when that plan still
+        resolves to the saved masks, else a plan of the saved masks
+        themselves; its fingerprint is taken now. Schedule callbacks use this,
+        so they resume a loaded model.
+
+        Args:
+            model: a Keras model.
+
+        Returns:
+            The Freezer, or None when the model has no ``FreezingOptimizer``.
+
+        Example:
+            >>> import keras, numpy as np, finefreeze as ff
+            >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
+            >>> frz = ff.Freezer(m, ff.Plan([ff.freeze("**/d/kernel[0]")]))
+            >>> m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+            >>> ff.Freezer.of(m) is frz
+            True
+        """
+        from finefreeze._optimizer import find_freezing_optimizer
+        from finefreeze._reload import rebuild_freezer
+
+        opt = find_freezing_optimizer(model)
+        if opt is None:
+            return None
+        if opt.freezer is not None:
+            return opt.freezer
+        frz = rebuild_freezer(cls, model, opt)
+        opt._attach(frz, strong=True)
+        frz._wrapped.append(weakref.ref(opt))
+        return frz
 
     # -- delta files -------------------------------------------------------------
     def save_delta(self, path) -> dict:

@@ -1,32 +1,32 @@
 """``FreezingOptimizer``: a Keras optimizer that enforces a plan exactly.
 
 Built the way Keras' ``LossScaleOptimizer`` wraps an optimizer: it holds an
-``inner_optimizer``, delegates ``learning_rate`` and ``iterations``, its
-``variables`` are its own plus the inner ones, and ``get_config`` serializes
-the inner optimizer. Its own ``apply`` is where freezing happens: fully frozen
-variables never reach the inner optimizer; partially frozen ones go through
-their strategy's ``prepare`` / ``finish`` hooks around the inner update.
+``inner_optimizer`` for life (never cloned or replaced), delegates
+``learning_rate`` and ``iterations``, refuses base-optimizer arguments (they
+belong to the inner optimizer), its ``variables`` are its own plus the inner
+ones, and ``get_config`` serializes the inner optimizer with the layout. Its
+own ``apply`` is where freezing happens: fully frozen variables never reach
+the inner optimizer; partially frozen ones go through their enforcer's
+``prepare`` / ``finish`` hooks around the inner update.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
 import warnings
-from typing import Any
+import weakref
 
 import keras
 import numpy as np
+from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
+from finefreeze import _migrate
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
+from finefreeze._layout import STRATEGIES, Layout, VarLayout, index_dtype, refuse_unknown
 from finefreeze._plan import Plan
-from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
-from finefreeze._strategies import STRATEGIES, Slot, _assign, choose, write_all
-from finefreeze._targets import match_path, var_path
+from finefreeze._strategies import Enforcer, _assign, write_all
+from finefreeze._targets import remember_base, var_path
 
 __all__ = ["FreezingOptimizer", "inexact_reasons", "find_freezing_optimizer", "freezer_of"]
-
-from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
 
 def inexact_reasons(opt) -> list[str]:
@@ -37,10 +37,7 @@ def inexact_reasons(opt) -> list[str]:
     if getattr(opt, "use_ema", False):
         reasons.append("use_ema=True")
     name = type(opt).__name__
-    if name == "SGD":
-        if getattr(opt, "momentum", 0.0):
-            reasons.append(f"momentum={opt.momentum}")
-    elif name == "RMSprop":
+    if name in ("SGD", "RMSprop"):
         if getattr(opt, "momentum", 0.0):
             reasons.append(f"momentum={opt.momentum}")
     elif name not in ("Adagrad", "Adadelta"):
@@ -48,25 +45,41 @@ def inexact_reasons(opt) -> list[str]:
     return reasons
 
 
-@dataclasses.dataclass(eq=False)
-class _Decision:
-    """How the plan treats one variable the optimizer is built on."""
+def zero_gradient_hazards(inner, layout: Layout) -> list[str]:
+    """Partially frozen variables whose exactly-zero gradients the inner optimizer turns into NaN.
 
-    variable: Any
-    state: str  # TRAINABLE, PARTIAL or FROZEN
-    mask: Any = None  # ElementMask, or a saved layout entry (dict)
-    n_trainable: int | None = None
-    scale: Any = 1.0  # float, or a per-element float32 array
+    Keras' Adafactor estimates an element's second moment as the product of
+    its row's and its column's (last two axes). An element whose row and
+    column both hold only frozen elements gets two moments that underflow,
+    their product is 0, its update 0/0, and the update clipping spreads the
+    NaN over the whole variable (in plain Keras too, with such gradients).
+    """
+    out = []
+    for o in _migrate.family(inner):
+        if type(o).__name__ != "Adafactor":
+            continue
+        for e in layout:
+            if e.kind not in ("restore", "mask") or e.mask is None or len(e.shape) < 2:
+                continue
+            frozen = e.mask.dense()
+            rows, cols = frozen.all(axis=-1), frozen.all(axis=-2)  # (..., R) and (..., C)
+            if (rows[..., :, None] & cols[..., None, :]).any():
+                out.append(f"{e.path!r} (shape {e.shape})")
+    return out
 
 
-class _Slots:
+class _Enforcers:
     """Plain container so model variables are never tracked by the optimizer."""
 
-    def __init__(self):
-        self.by_id: dict[int, Slot] = {}
-        self.frozen_ids: set[int] = set()
-        self.ordered: list[Slot] = []
+    def __init__(self, ordered=(), frozen_ids=()):
+        self.ordered: list[Enforcer] = list(ordered)
+        self.by_id: dict[int, Enforcer] = {id(e.variable): e for e in self.ordered}
+        self.frozen_ids: set[int] = set(frozen_ids)
         self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
+        self.state = _migrate.StateMap({}, {}, [])
+
+    def own_variables(self) -> set[int]:
+        return {id(w) for e in self.ordered for w in (e.mask, e.index, e.shadow, e.scale) if w is not None}
 
 
 @keras.saving.register_keras_serializable(package="finefreeze")
@@ -76,12 +89,15 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     Fully frozen variables get no gradient work and no optimizer state;
     partially frozen ones use a strategy: ``"restore"`` (exact for every
     optimizer, dense state), ``"compact"`` (exact, state only for trainable
-    elements), ``"mask"`` (gradient masking alone, inexact, warned) or
-    ``"auto"`` (compact when at most 5 % of a variable trains, else
-    restore).
+    elements; only for optimizers whose update is elementwise), ``"mask"``
+    (gradient masking alone, inexact, warned) or ``"auto"`` (compact when at
+    most 5 % of a variable trains and the optimizer is elementwise, else
+    restore). Optimizer settings (``weight_decay``, ``clipnorm``,
+    ``use_ema``, ...) belong to the inner optimizer, as with Keras'
+    ``LossScaleOptimizer``.
 
     Args:
-        inner_optimizer: any ``keras.optimizers.Optimizer`` except a
+        inner_optimizer: any unbuilt ``keras.optimizers.Optimizer`` except a
             ``LossScaleOptimizer`` (that one must stay outermost; Keras adds
             it itself under ``mixed_float16``).
         plan: a :class:`Plan`. Resolved against the variables the optimizer
@@ -91,7 +107,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras optimizer or is a
-            ``LossScaleOptimizer``.
+            ``LossScaleOptimizer``, or a base-optimizer argument was given.
+        ValueError: ``inner_optimizer`` is already built.
         PlanError: unknown strategy.
 
     Example:
@@ -99,6 +116,10 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         >>> opt = ff.FreezingOptimizer(keras.optimizers.Adam(1e-3), ff.Plan([ff.freeze("x[0]")]))
         >>> opt.strategy
         'auto'
+        >>> ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan(), clipnorm=1.0)
+        Traceback (most recent call last):
+        ...
+        TypeError: FreezingOptimizer takes no optimizer settings (got clipnorm); they belong to the inner optimizer: ...
     """
 
     def __init__(
@@ -108,10 +129,19 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         *,
         strategy: str = "auto",
         name: str | None = None,
-        _resolution: Any = None,
-        _layout: dict | None = None,
         **kwargs,
     ):
+        resolution = kwargs.pop("_resolution", None)
+        layout = kwargs.pop("_layout", None)
+        saved_layout = kwargs.pop("_saved_layout", None)
+        if kwargs:
+            names = ", ".join(sorted(kwargs))
+            example = ", ".join(f"{k}=..." for k in sorted(kwargs))
+            raise TypeError(
+                f"FreezingOptimizer takes no optimizer settings (got {names}); they belong to the inner "
+                f"optimizer: ff.FreezingOptimizer(keras.optimizers.Adam(..., {example}), plan) or "
+                f"frz.wrap(keras.optimizers.Adam(..., {example}))."
+            )
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
             raise TypeError(
                 "FreezingOptimizer cannot wrap a LossScaleOptimizer: the loss scale "
@@ -124,20 +154,27 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             raise TypeError(
                 f"inner_optimizer must be a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}."
             )
+        if inner_optimizer.built:
+            raise ValueError(
+                f"the {type(inner_optimizer).__name__} to wrap is already built on "
+                f"{len(inner_optimizer._trainable_variables)} variables; wrap a new, unbuilt optimizer."
+            )
         if strategy not in STRATEGIES:
             raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
         if plan is not None and not isinstance(plan, Plan):
             raise PlanError(f"plan must be an ff.Plan, got {type(plan).__name__}.")
-        kwargs.pop("learning_rate", None)
-        super().__init__(learning_rate=0.0, name=name or "freezing_optimizer", **kwargs)
+        super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
         self.inner_optimizer = inner_optimizer
         self._plan = plan
         self._strategy = strategy
-        self._resolution = _resolution
-        self._layout = _layout
-        self._slots = _Slots()
+        self._resolution = resolution
+        self._layout: Layout | None = layout
+        self._saved_layout = saved_layout
+        self._inner_base = _migrate.constructor_variables(inner_optimizer)
+        self._enforcers = _Enforcers()
         self._mask_warned = False
         self._freezer_ref = None
+        self._freezer_strong = None
         self.track_gradient_norms = False
 
     # -- delegation ----------------------------------------------------------
@@ -150,6 +187,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def plan(self) -> Plan | None:
         """The plan this optimizer enforces."""
         return self._plan
+
+    @property
+    def layout(self) -> Layout | None:
+        """The per-variable :class:`~finefreeze._layout.Layout` it enforces (None before it knows its variables)."""
+        return self._layout
 
     @property
     def variables(self):
@@ -170,104 +212,47 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Exclude model variables from the inner optimizer's weight decay (also under ``compact``)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
     @property
     def freezer(self):
-        """The :class:`Freezer` that made this optimizer with ``wrap``, or None."""
+        """The :class:`Freezer` of this optimizer (made by ``wrap`` or ``Freezer.of``), or None."""
         return self._freezer_ref() if self._freezer_ref is not None else None
 
+    def _attach(self, freezer, strong: bool = False) -> None:
+        self._freezer_ref = weakref.ref(freezer)
+        self._freezer_strong = freezer if strong else None
+
     def gradient_norms(self) -> tuple[float, float] | None:
-        """``(trainable, frozen)`` norms of the gradient the last step applied.
+        """``(trainable, frozen)`` norms of the gradient of the last step, before enforcement.
 
         Recorded only while ``track_gradient_norms`` is True (``FreezeBoard``
-        turns it on). "Frozen" is the gradient that reached frozen elements
-        of partially frozen variables after enforcement: 0 under every
-        strategy; a frozen element can still move under ``mask`` (weight
-        decay, momentum), which ``Freezer.verify`` catches.
+        turns it on). "Frozen" is the part of the loss gradient that fell on
+        frozen elements of partially frozen variables: what the plan blocked
+        (fully frozen variables get no gradient at all).
 
         Returns:
             The two norms, or None before the first tracked step.
         """
-        if not self._slots.norms:
+        if not self._enforcers.norms:
             return None
-        return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in self._slots.norms)
+        return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in self._enforcers.norms)
 
     # -- building ------------------------------------------------------------
-    def _decisions(self, var_list) -> list[_Decision]:
-        """One decision per variable: the plan's, or the saved layout's."""
+    def _layout_for(self, var_list) -> Layout:
         if self._layout is not None:
-            return self._decisions_from_layout(var_list)
-        res = self._resolution
-        if res is None:
+            refuse_unknown(self._resolution, var_list)
+            return self._layout
+        if self._saved_layout is not None:
+            return Layout.from_config(self._saved_layout, var_list, self._strategy)
+        if self._resolution is None:
             from finefreeze._resolve import resolve
             from finefreeze._targets import collect
 
-            res = resolve(self._plan or Plan(), collect(list(var_list)))
-            self._resolution = res
-        out, seen = [], set()
-        listed = list(var_list) + [s.variable for s in res.states]
-        for v in listed:
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            st = res.lookup(v)
-            if st is None:
-                out.append(_Decision(v, TRAINABLE))
-            elif st.state in (FROZEN, UNTRAINED):
-                out.append(_Decision(v, FROZEN))
-            else:
-                scale = st.lr_scales if st.lr_scales is not None else st.lr_scale
-                out.append(_Decision(v, st.state, st.mask, st.n_trainable, scale))
-        return out
-
-    def _decisions_from_layout(self, var_list) -> list[_Decision]:
-        entries = {e["path"]: e for e in self._layout["variables"]}
-        entries.update({p: {"path": p, "strategy": "frozen"} for p in self._layout["frozen"]})
-        out = []
-        for v in var_list:
-            e = match_path(var_path(v), entries, "variable (in the saved freeze layout)")
-            if e is None:
-                out.append(_Decision(v, TRAINABLE))
-            elif e["strategy"] == "frozen":
-                out.append(_Decision(v, FROZEN))
-                if getattr(v, "trainable", False) and isinstance(v, keras.Variable):
-                    v.trainable = False  # per-variable flags are not saved in .keras files
-            else:
-                state = TRAINABLE if e["strategy"] == "train" else PARTIAL
-                scale = e.get("lr_scale", 1.0)
-                if scale == "per-element":  # values arrive with the optimizer variables on load
-                    scale = np.ones([int(d) for d in v.shape], np.float32)
-                out.append(_Decision(v, state, e, e.get("n_trainable"), scale))
-        return out
-
-    def _kind(self, variable, n_trainable: int) -> str:
-        """The concrete strategy of one partially frozen variable."""
-        size = int(np.prod(variable.shape, dtype=np.int64))
-        kind = choose(self._strategy, n_trainable, size, getattr(variable, "constraint", None) is not None)
-        if kind == "compact" and isinstance(self.inner_optimizer, keras.optimizers.MultiOptimizer):
-            return "restore"  # MultiOptimizer routes by the model variable's path
-        return kind
-
-    def _kind_of(self, d: _Decision) -> str:
-        if d.state == TRAINABLE:
-            return "train"
-        if d.state == FROZEN:
-            return "frozen"
-        return d.mask["strategy"] if isinstance(d.mask, dict) else self._kind(d.variable, d.n_trainable)
-
-    def _layout_for(self, decisions) -> dict:
-        """What the config records so that a loaded optimizer builds the same slots."""
-        entries, frozen = [], []
-        for d in decisions:
-            path, shape, kind = var_path(d.variable), [int(x) for x in d.variable.shape], self._kind_of(d)
-            scale = "per-element" if isinstance(d.scale, np.ndarray) else float(d.scale)
-            if kind == "frozen":
-                frozen.append(path)
-            elif kind != "train":
-                entry = {"path": path, "strategy": kind, "shape": shape, "n_trainable": int(d.n_trainable)}
-                entries.append({**entry, "lr_scale": scale})
-            elif scale != 1.0:
-                entries.append({"path": path, "strategy": "train", "shape": shape, "lr_scale": scale})
-        return {"variables": entries, "frozen": sorted(frozen)}
+            self._resolution = resolve(self._plan or Plan(), collect(list(var_list)))
+        return Layout.from_resolution(self._resolution, self._strategy, self.inner_optimizer, var_list)
 
     def build(self, var_list):
         if self.built:
@@ -283,232 +268,246 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 "scope first (model.compile + fit do; in a custom loop call "
                 "opt.build(frz.trainable_variables) inside `with strategy.scope():`)."
             )
-        self._build_slots(self._decisions(var_list))
+        layout = self._layout_for(var_list)
+        self._warn(layout)
+        self._layout = layout
+        self._install(self._layout, var_list, {})
         super().build(var_list)
 
-    def _build_slots(self, decisions):
-        self._make_slots(decisions)
+    def _install(self, layout: Layout, var_list, held: dict) -> None:
+        """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state."""
+        enforcers = self._make_enforcers(layout, var_list)
+        self._exclude_compact_from_decay(enforcers)
         # outside the no-tracking scope: the inner optimizer tracks what it makes
         # (Nadam's u_product is an attribute, not an add_variable)
-        self.inner_optimizer.build([s.inner_variable for s in self._slots.ordered])
+        enforcers.state = _migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
+        self._enforcers = enforcers
+        if held:  # a plan change; a first build starts as Keras does
+            for e in enforcers.ordered:
+                self._carry(e, held.get(id(e.variable)))
 
     @_no_tracking
-    def _make_slots(self, decisions):
-        if self._layout is None:
-            self._layout = self._layout_for(decisions)
-        slots = _Slots()
-        for d in decisions:
-            kind = self._kind_of(d)
-            if kind == "frozen":
-                slots.frozen_ids.add(id(d.variable))
+    def _make_enforcers(self, layout: Layout, var_list) -> _Enforcers:
+        ordered, frozen, seen = [], set(), set()
+        for v in var_list:
+            if id(v) in seen:
                 continue
-            slot = self._make_slot(d, kind)
-            slots.by_id[id(d.variable)] = slot
-            slots.ordered.append(slot)
+            seen.add(id(v))
+            e = layout.get(v)
+            if e.kind == "frozen":
+                frozen.add(id(v))
+                if self._saved_layout is not None and getattr(v, "trainable", False):
+                    remember_base(v)  # Keras trains it; the plan freezes it
+                    v.trainable = False  # per-variable flags are not saved in .keras files
+                continue
+            ordered.append(self._make_enforcer(v, e))
         import tensorflow as tf
 
-        slots.norms = tuple(
+        out = _Enforcers(ordered, frozen)
+        out.norms = tuple(
             tf.Variable(0.0, trainable=False, name=n, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             for n in ("grad_norm_trainable", "grad_norm_frozen")
         )
-        self._slots = slots
-        if any(s.kind == "mask" for s in slots.ordered):
-            self._warn_mask()
+        return out
 
-    def _make_slot(self, d: _Decision, kind: str) -> Slot:
-        """The Slot of one trainable or partially frozen variable, with its optimizer variables."""
-        v, path = d.variable, var_path(d.variable)
-        shape = tuple(int(x) for x in v.shape)
-        safe = path.replace("/", ".")
-        from_layout = isinstance(d.mask, dict)  # values arrive on load
-        slot = Slot(path, v, kind, shape)
-        if kind == "compact":
-            idx = (
-                np.full((d.n_trainable,), -1, np.int32)
-                if from_layout
-                else d.mask.trainable_flat_indices().astype(np.int32)
+    def _make_enforcer(self, v, e: VarLayout) -> Enforcer:
+        """The enforcer of one trainable or partially frozen variable, with its optimizer variables."""
+        safe = e.path.replace("/", ".")
+        enf = Enforcer(e.path, v, e.kind, e.shape)
+        loaded = e.mask is None and e.enforced  # values arrive with the optimizer variables on load
+        if e.kind == "compact":
+            dtype = index_dtype(e.size)
+            idx = np.full((e.n_trainable,), -1, dtype) if loaded else e.mask.trainable_flat_indices().astype(dtype)
+            enf.index = self.add_variable(
+                shape=idx.shape, dtype=dtype, name=f"{safe}.index", initializer=_const(idx), aggregation="none"
             )
-            slot.index = self.add_variable(
-                shape=idx.shape, dtype="int32", name=f"{safe}.index", initializer=_const(idx), aggregation="none"
+            # Starts as the trainable values (optimizers may read it in build) and
+            # is refilled from the model variable at every step (gather).
+            enf.shadow = self.add_variable(
+                shape=idx.shape,
+                dtype=v.dtype,
+                name=f"{safe}.compact",
+                initializer="zeros" if loaded else _const(_eager_values(v, idx)),
+                aggregation="none",
             )
-            # Refilled from the model variable at every step (gather).
-            slot.shadow = self.add_variable(
-                shape=idx.shape, dtype=v.dtype, name=f"{safe}.compact", initializer="zeros", aggregation="none"
+        elif e.kind in ("restore", "mask"):
+            dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
+            enf.mask = self.add_variable(
+                shape=e.shape, dtype="bool", name=f"{safe}.frozen_mask", initializer=_const(dense), aggregation="none"
             )
-        elif kind in ("restore", "mask"):
-            dense = np.ones(shape, bool) if from_layout else d.mask.dense()
-            slot.mask = self.add_variable(
-                shape=shape, dtype="bool", name=f"{safe}.frozen_mask", initializer=_const(dense), aggregation="none"
-            )
-        scale = self._scale_value(d, slot)
+        scale = _scale_value(e, enf)
         if scale is not None:
-            slot.scale = self.add_variable(
+            enf.scale = self.add_variable(
                 shape=scale.shape,
                 dtype="float32",
                 name=f"{safe}.lr_scale",
                 initializer=_const(scale),
                 aggregation="none",
             )
-        return slot
+        return enf
 
-    def _scale_value(self, d: _Decision, slot: Slot) -> np.ndarray | None:
-        """The lr_scale values a slot holds: None (all 1), a scalar, or one per inner element."""
-        if not isinstance(d.scale, np.ndarray):
-            return None if d.scale == 1.0 else np.asarray(d.scale, np.float32)
-        if slot.kind == "compact":
-            if isinstance(d.mask, dict):
-                return np.ones((d.n_trainable,), np.float32)
-            return d.scale.reshape(-1)[d.mask.trainable_flat_indices()].astype(np.float32)
-        return d.scale.astype(np.float32)
+    def _exclude_compact_from_decay(self, enforcers: _Enforcers) -> None:
+        """A compact vector decays exactly when its model variable would (exclusions match by identity)."""
+        for o in _migrate.family(self.inner_optimizer):
+            for e in enforcers.ordered:
+                if e.kind == "compact" and not o._use_weight_decay(e.variable):
+                    excluded = getattr(o, "_exclude_from_weight_decay", None) or set()
+                    o._exclude_from_weight_decay = excluded | {o._var_key(e.shadow)}
+                    o._exclude_from_weight_decay_cache = {}
+
+    def _carry(self, e: Enforcer, held) -> None:
+        """Fresh state for elements that start training, ``held`` state for those that keep training."""
+        elements = _elements(e, trained_only=False)
+        values = np.asarray(e.variable.numpy()).reshape(-1)[elements]
+        _migrate.carry(self._enforcers.state, e.inner_variable, elements, values, held)
+
+    def _held(self) -> dict:
+        """The state of every trained element now, by model variable identity."""
+        out = {}
+        for e in self._enforcers.ordered:
+            out[id(e.variable)] = _migrate.snapshot(
+                self._enforcers.state, e.inner_variable, _elements(e, trained_only=True), e.kind == "compact"
+            )
+        return out
+
+    def _warn(self, layout: Layout) -> None:
+        """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
+        self.refuse_nan(layout)
+        if any(e.kind == "mask" for e in layout):
+            reasons = inexact_reasons(self.inner_optimizer)
+            if reasons and not self._mask_warned:
+                self._mask_warned = True
+                warnings.warn(
+                    "strategy 'mask' (gradient masking alone) is not exact with "
+                    f"{type(self.inner_optimizer).__name__}: {'; '.join(reasons)}. Frozen "
+                    "elements will drift; use strategy 'restore' or 'compact'.",
+                    FreezeWarning,
+                    stacklevel=4,
+                )
+
+    def refuse_nan(self, layout: Layout) -> None:
+        """Refuse a layout the inner optimizer would turn into NaN.
+
+        Raises:
+            PlanError: Keras' Adafactor with a partially frozen matrix that has a
+                fully frozen row and a fully frozen column.
+        """
+        hazards = zero_gradient_hazards(self.inner_optimizer, layout)
+        if hazards:
+            raise PlanError(
+                f"Adafactor would turn training into NaN with {', '.join(hazards)}: these variables have a row "
+                "and a column whose elements are all frozen; Keras' Adafactor factors second moments over "
+                "rows and columns, the moments of such an element underflow to 0 and its update is 0/0 "
+                "(plain Keras does the same with such gradients). Freeze those variables whole, train at "
+                "least one element in every row or column, or use another optimizer (Adam, AdamW, Lion)."
+            )
 
     # -- changing the plan -------------------------------------------------------
-    def retarget(self, resolution, var_list=None) -> bool:
-        """Follow a new resolution of the plan (``Freezer.update`` calls this).
+    def prepare_change(self, resolution, var_list) -> Layout:
+        """The layout a new resolution gives; raises (changing nothing) if it cannot be enforced.
+
+        Raises:
+            PlanError: ``var_list`` holds a variable the resolution does not know, or
+                the strategy cannot serve the inner optimizer.
+        """
+        layout = Layout.from_resolution(resolution, self._strategy, self.inner_optimizer, var_list)
+        self._warn(layout)
+        return layout
+
+    def commit_change(self, resolution, layout: Layout, var_list) -> bool:
+        """Put ``layout`` in force (``Freezer.update`` calls this after :meth:`prepare_change`).
 
         Element-mask changes of variables that stay partially frozen with the
         same strategy, and new ``lr_scale`` values, are written into the
-        optimizer's variables: no retrace. Anything else (a variable becomes
-        trainable, frozen or partial; a compact variable's trainable count or
-        a strategy changes; a scale appears or disappears) rebuilds the slots
-        and the inner optimizer: state is kept for every element that stays
-        trainable, ``iterations`` is kept, newly trainable elements start with
-        zero state (EMA averages with their current value), and the state of
-        newly frozen variables is released.
-
-        Args:
-            resolution: the new resolution.
-            var_list: the variables to build on, in the order Keras passes
-                them (``model.trainable_variables`` after the flags changed),
-                so that saved optimizer variables load in order.
+        optimizer's variables: no retrace. Anything else rebuilds the
+        enforcers and rebuilds the same inner optimizer in place: state is
+        kept for every element that stays trainable, global state
+        (``iterations``, learning rate) is kept, newly trainable elements
+        start fresh (zero moments; EMA averages at their current value), and
+        the state of what stops training is released.
 
         Returns:
             True when the train function must be retraced.
         """
-        self._resolution, self._plan, self._layout = resolution, resolution.plan, None
+        self._resolution, self._plan = resolution, resolution.plan
         if not self.built:
+            self._layout = layout
             return False
-        if var_list is None:
-            var_list = [s.variable for s in resolution.states if s.state in (TRAINABLE, PARTIAL)]
-        decisions = self._decisions(var_list)
-        if self._in_place(decisions):
-            self._layout = self._layout_for(decisions)
+        changed = self._in_place(layout, var_list)
+        if changed is not None:
+            self._layout = layout
             return False
-        self._rebuild(decisions, var_list)
+        self._rebuild(layout, var_list)
         return True
 
-    def _in_place(self, decisions) -> bool:
-        """Write mask, index and scale changes into place if no slot changes shape or kind."""
-        old = self._slots
-        plans = []
-        for d in decisions:
-            kind = self._kind_of(d)
-            if kind == "frozen":
-                if id(d.variable) not in old.frozen_ids:
-                    return False
+    def _in_place(self, layout: Layout, var_list):
+        """Write mask, index and scale changes into place if no enforcer changes shape or kind; else None."""
+        old = self._enforcers
+        todo = []
+        for v in {id(v): v for v in list(var_list) + [e.variable for e in old.ordered]}.values():
+            e = layout.get(v)
+            if e is None or e.kind == "frozen":
+                if id(v) in old.by_id:
+                    return None
                 continue
-            slot = old.by_id.get(id(d.variable))
-            if slot is None or slot.kind != kind:
-                return False
-            if kind == "compact" and slot.index.shape[0] != d.n_trainable:
-                return False
-            scale = self._scale_value(d, slot)
-            if (scale is None) != (slot.scale is None) or (
-                scale is not None and tuple(scale.shape) != tuple(slot.scale.shape)
+            enf = old.by_id.get(id(v))
+            if enf is None or enf.kind != e.kind or (e.kind == "compact" and enf.index.shape[0] != e.n_trainable):
+                return None
+            scale = _scale_value(e, enf)
+            if (scale is None) != (enf.scale is None) or (
+                scale is not None and tuple(scale.shape) != tuple(enf.scale.shape)
             ):
-                return False
-            plans.append((slot, d, scale))
-        for slot, d, scale in plans:
-            if slot.kind in ("restore", "mask") and not np.array_equal(slot.mask.numpy(), d.mask.dense()):
-                held = self._state_snapshot(slot)
-                slot.mask.assign(d.mask.dense())
-                self._carry_state(slot, *held)
-            elif slot.kind == "compact" and not np.array_equal(slot.index.numpy(), d.mask.trainable_flat_indices()):
-                held = self._state_snapshot(slot)
-                slot.index.assign(d.mask.trainable_flat_indices().astype(np.int32))
-                self._carry_state(slot, *held)
+                return None
+            todo.append((enf, e, scale))
+        for enf, e, scale in todo:
+            if enf.kind in ("restore", "mask") and not np.array_equal(enf.mask.numpy(), e.mask.dense()):
+                held = self._held()[id(enf.variable)]
+                enf.mask.assign(e.mask.dense())
+                self._carry(enf, held)
+            elif enf.kind == "compact" and not np.array_equal(enf.index.numpy(), e.mask.trainable_flat_indices()):
+                held = self._held()[id(enf.variable)]
+                enf.index.assign(e.mask.trainable_flat_indices().astype(enf.index.dtype))
+                self._carry(enf, held)
             if scale is not None:
-                slot.scale.assign(scale)
+                enf.scale.assign(scale)
         return True
 
-    def _inner_state(self, slot):
-        """Inner optimizer variables that hold per-element state of ``slot``."""
-        prefix = var_path(slot.inner_variable).replace("/", "_") + "_"
-        size = int(np.prod(slot.inner_variable.shape, dtype=np.int64))
-        out = []
-        for w in self.inner_optimizer.variables:
-            name = w.name
-            if name.startswith(prefix) and int(np.prod(w.shape, dtype=np.int64)) == size:
-                out.append((name[len(prefix) :], w))
-        return out
+    def _rebuild(self, layout: Layout, var_list) -> None:
+        """New enforcers around the same inner optimizer, rebuilt in place; state carried by element."""
+        held = self._held()
+        others = {k: np.asarray(w.numpy()) for k, w in _migrate.keyed(self._enforcers.state.other).items()}
+        ours = self._enforcers.own_variables()
+        _migrate.untrack(self, [w for w in self._variables if id(w) in ours])
+        _migrate.unbuild(self.inner_optimizer, self._inner_base)
+        self._layout = layout
+        with keras.name_scope(self.name, caller=self):
+            self._install(layout, var_list, held)
+        for k, w in _migrate.keyed(self._enforcers.state.other).items():
+            if k in others:
+                w.assign(others[k])  # Nadam's u_product and other global state
+        self._trainable_variables_indices = {}
+        keras.optimizers.Optimizer.build(self, list(var_list))
+
+    def begin_change(self):
+        """What :meth:`undo_change` needs to undo a :meth:`commit_change`."""
+        members = [self, *_migrate.family(self.inner_optimizer)]
+        dicts = [(o, dict(vars(o)), list(o._variables)) for o in members]
+        masks = [(w, np.asarray(w.numpy()).copy()) for w in self._variables if id(w) in self._enforcers.own_variables()]
+        state = [
+            (w, np.asarray(w.numpy()).copy()) for ws in self._enforcers.state.per_element.values() for _, w, _ in ws
+        ]
+        return dicts, masks + state
 
     @staticmethod
-    def _elements(slot, trained_only: bool) -> np.ndarray:
-        """Flat indices of the model elements behind a slot's per-element state, in state order."""
-        if slot.kind == "compact":
-            return np.asarray(slot.index.numpy()).astype(np.int64)
-        idx = np.arange(int(np.prod(slot.shape, dtype=np.int64)))
-        if trained_only and slot.mask is not None:
-            idx = idx[~np.asarray(slot.mask.numpy()).reshape(-1)]
-        return idx
-
-    def _state_snapshot(self, slot) -> tuple[np.ndarray, dict]:
-        """``(elements, {suffix: values})`` of the state a slot holds for its trainable elements."""
-        idx = self._elements(slot, trained_only=True)
-        pick = slice(None) if slot.kind == "compact" else idx
-        return idx, {sfx: np.asarray(w.numpy()).reshape(-1)[pick] for sfx, w in self._inner_state(slot)}
-
-    def _carry_state(self, slot, old_idx: np.ndarray, old_state: dict) -> None:
-        """Give ``slot`` the state of :meth:`_state_snapshot`, element by element.
-
-        Elements that held state keep it; every other element starts fresh: zero,
-        or for EMA averages the element's current value (what Keras does at step 0).
-        """
-        new_idx = self._elements(slot, trained_only=False)
-        value = np.asarray(slot.variable.numpy()).reshape(-1)[new_idx]
-        pos = np.minimum(np.searchsorted(old_idx, new_idx), max(old_idx.size - 1, 0))
-        kept = old_idx[pos] == new_idx if old_idx.size else np.zeros(new_idx.size, bool)
-        for suffix, w in self._inner_state(slot):
-            if suffix in old_state:
-                fresh = value if suffix == "average" else np.zeros_like(value)
-                out = np.where(kept, old_state[suffix][pos], fresh.astype(old_state[suffix].dtype))
-                w.assign(out.reshape(w.shape))
-
-    def _rebuild(self, decisions, var_list):
-        """New slots and a new inner optimizer; state carried by element."""
-        old_slots, old_inner = self._slots, self.inner_optimizer
-        held = {id(slot.variable): self._state_snapshot(slot) for slot in old_slots.ordered}
-        shared = _keyed(old_inner.variables)
-        ours = {id(w) for s in old_slots.ordered for w in (s.mask, s.index, s.shadow, s.scale) if w is not None}
-        self._variables[:] = [w for w in self._variables if id(w) not in ours]
-        inner = type(old_inner).from_config(old_inner.get_config())
-        self._set_inner(inner)
-        self._layout = None
-        with keras.name_scope(self.name, caller=self):
-            self._build_slots(decisions)
-        per_element = {id(w) for s in self._slots.ordered for _, w in self._inner_state(s)}
-        for key, w in _keyed(inner.variables, values=False).items():
-            if id(w) not in per_element and key in shared:
-                w.assign(shared[key])  # iterations, learning rate, factored and other global state
-        for slot in self._slots.ordered:
-            if id(slot.variable) in held:
-                self._carry_state(slot, *held[id(slot.variable)])
-        keras.optimizers.Optimizer.build(self, var_list)
-
-    @_no_tracking
-    def _set_inner(self, inner):
-        self.inner_optimizer = inner
-
-    def _warn_mask(self):
-        reasons = inexact_reasons(self.inner_optimizer)
-        if reasons and not self._mask_warned:
-            self._mask_warned = True
-            warnings.warn(
-                "strategy 'mask' (gradient masking alone) is not exact with "
-                f"{type(self.inner_optimizer).__name__}: {'; '.join(reasons)}. Frozen "
-                "elements will drift; use strategy 'restore' or 'compact'.",
-                FreezeWarning,
-                stacklevel=3,
-            )
+    def undo_change(undo) -> None:
+        """Undo a :meth:`commit_change`: attributes, variable lists and values as they were."""
+        dicts, values = undo
+        for o, d, lst in dicts:
+            vars(o).clear()
+            vars(o).update(d)
+            _migrate.retrack(o, lst)
+        for w, value in values:
+            w.assign(value)
 
     # -- applying ------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
@@ -526,73 +525,77 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        slots = self._slots
+        enf = self._enforcers
         all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))
-        inner_g, inner_v, pending, seen, writes = [], [], [], set(), []
+        inner_g, inner_v, pending, seen, writes, raw = [], [], [], set(), [], []
         for g, v in zip(grads, trainable_variables):
-            if id(v) in slots.frozen_ids:
+            if id(v) in enf.frozen_ids:
                 continue
-            slot = slots.by_id.get(id(v))
-            if slot is None:
-                raise ValueError(
-                    f"FreezingOptimizer got a gradient for {var_path(v)!r}, which it "
-                    "was not built with. Create the Freezer after the model is built."
+            e = enf.by_id.get(id(v))
+            if e is None:
+                raise PlanError(
+                    f"FreezingOptimizer got a gradient for {var_path(v)!r}, a variable its plan was not "
+                    "resolved against. Create the Freezer after the model is built, on the model you train."
                 )
             if g is None and not all_steps:
                 continue
             seen.add(id(v))
-            ig, ctx = slot.prepare(g, writes)
+            raw.append((e, g))
+            ig, ctx = e.prepare(g, writes)
             if ig is not None:
                 inner_g.append(ig)
-                inner_v.append(slot.inner_variable)
-            if slot.kind != "train" or ctx is not None:
-                pending.append((slot, ctx))
+                inner_v.append(e.inner_variable)
+            if e.kind != "train" or ctx is not None:
+                pending.append((e, ctx))
         if all_steps:
-            for slot in slots.ordered:
-                if slot.kind in ("restore", "compact") and id(slot.variable) not in seen:
-                    pending.append((slot, slot.prepare(None, writes)[1]))
+            for e in enf.ordered:
+                if e.kind in ("restore", "compact") and id(e.variable) not in seen:
+                    pending.append((e, e.prepare(None, writes)[1]))
         write_all(writes)
         if self.track_gradient_norms:
-            self._record_norms(inner_g, inner_v)
+            self._record_norms(raw)
         if inner_g:
             self.inner_optimizer.apply(inner_g, inner_v)
         else:
             self.inner_optimizer.iterations.assign_add(1)
         writes = []
-        for slot, ctx in pending:
-            slot.finish(ctx, writes)
+        for e, ctx in pending:
+            e.finish(ctx, writes)
         write_all(writes)
 
-    def _record_norms(self, grads, variables):
+    def _record_norms(self, raw):
+        """Norms of the raw gradient on trainable and on frozen elements."""
         import tensorflow as tf
 
-        by_inner = {id(s.inner_variable): s for s in self._slots.ordered}
         tn, fn = tf.constant(0.0), tf.constant(0.0)
-        for g, v in zip(grads, variables):
+        for e, g in raw:
             if g is None:
                 continue
-            if isinstance(g, tf.IndexedSlices):
-                g = tf.convert_to_tensor(g)
-            g = tf.cast(g, tf.float32)
-            slot = by_inner[id(v)]
-            if slot.mask is not None:
-                frozen = tf.where(slot.mask.value, g, tf.zeros_like(g))
-                fn += tf.reduce_sum(tf.square(frozen))
-                tn += tf.reduce_sum(tf.square(g - frozen))
+            g = tf.cast(tf.convert_to_tensor(g), tf.float32)
+            total = tf.reduce_sum(tf.square(g))
+            if e.kind == "train":
+                tn += total
+                continue
+            if e.kind == "compact":
+                trained = tf.reduce_sum(tf.square(tf.gather(tf.reshape(g, [-1]), e.index.value)))
             else:
-                tn += tf.reduce_sum(tf.square(g))
-        write_all([(self._slots.norms[0], _assign, (tf.sqrt(tn),)), (self._slots.norms[1], _assign, (tf.sqrt(fn),))])
+                trained = tf.reduce_sum(tf.square(tf.where(e.mask.value, tf.zeros_like(g), g)))
+            tn += trained
+            fn += tf.maximum(total - trained, 0.0)
+        write_all(
+            [(self._enforcers.norms[0], _assign, (tf.sqrt(tn),)), (self._enforcers.norms[1], _assign, (tf.sqrt(fn),))]
+        )
 
     def finalize_variable_values(self, var_list):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
             return
         writes = []
-        pending = [(s, s.prepare(None, writes)[1]) for s in self._slots.ordered if s.kind in ("restore", "compact")]
+        pending = [(e, e.prepare(None, writes)[1]) for e in self._enforcers.ordered if e.kind in ("restore", "compact")]
         write_all(writes)
         self.inner_optimizer.finalize_variable_values(self.inner_optimizer._trainable_variables)
         writes = []
-        for slot, ctx in pending:
-            slot.finish(ctx, writes)
+        for e, ctx in pending:
+            e.finish(ctx, writes)
         write_all(writes)
 
     # -- serialization -------------------------------------------------------
@@ -603,9 +606,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 plan = self._plan.to_dict()
             except PlanError:
                 plan = None
-        layout = self._layout
-        if layout is None and self._resolution is not None:
-            layout = self._layout_for(self._decisions([]))
+        layout = self._layout.to_config() if self._layout is not None else self._saved_layout
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -619,14 +620,34 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         plan = config.pop("plan", None)
-        layout = config.pop("layout", None)
         return cls(
             inner,
             Plan.from_dict(plan) if plan else None,
             strategy=config.pop("strategy", "auto"),
             name=config.pop("name", None),
-            _layout=layout,
+            _saved_layout=config.pop("layout", None),
         )
+
+
+def _elements(e: Enforcer, trained_only: bool) -> np.ndarray:
+    """Flat indices of the model elements behind an enforcer's per-element state, in state order."""
+    if e.kind == "compact":
+        return np.asarray(e.index.numpy()).astype(np.int64)
+    idx = np.arange(int(np.prod(e.shape, dtype=np.int64)))
+    if trained_only and e.mask is not None:
+        idx = idx[~np.asarray(e.mask.numpy()).reshape(-1)]
+    return idx
+
+
+def _scale_value(e: VarLayout, enf: Enforcer) -> np.ndarray | None:
+    """The lr_scale values an enforcer holds: None (all 1), a scalar, or one per inner element."""
+    if not e.per_element_scale:
+        return None if e.scale == 1.0 else np.asarray(e.scale, np.float32)
+    if enf.kind == "compact":
+        if e.mask is None:
+            return np.ones((e.n_trainable,), np.float32)
+        return e.scale.reshape(-1)[e.mask.trainable_flat_indices()].astype(np.float32)
+    return e.scale.astype(np.float32)
 
 
 def find_freezing_optimizer(model) -> FreezingOptimizer | None:
@@ -638,29 +659,29 @@ def find_freezing_optimizer(model) -> FreezingOptimizer | None:
 
 
 def freezer_of(model, given, who: str):
-    """``given``, else the Freezer whose ``wrap`` made ``model``'s optimizer.
+    """``given``, else the Freezer of ``model`` (``Freezer.of``).
 
     Raises:
-        TypeError: there is neither; the message says how to fix it.
+        TypeError: there is none; the message says how to fix it.
     """
     if given is not None:
         return given
-    opt = find_freezing_optimizer(model)
-    if opt is None or opt.freezer is None:
+    from finefreeze._freezer import Freezer
+
+    frz = Freezer.of(model)
+    if frz is None:
         raise TypeError(
             f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
         )
-    return opt.freezer
+    return frz
 
 
-def _keyed(variables, values=True) -> dict:
-    """Variables by ``(name, shape, occurrence)``: names alone repeat (Adafactor's factored slots)."""
-    out, seen = {}, {}
-    for w in variables:
-        k = (re.sub(r"_\d+$", "", w.name), tuple(int(d) for d in w.shape))  # unnamed: variable, variable_1
-        seen[k] = seen.get(k, 0) + 1
-        out[(*k, seen[k])] = np.asarray(w.numpy()) if values else w
-    return out
+def _eager_values(variable, idx: np.ndarray) -> np.ndarray:
+    """The variable's elements at flat ``idx``, read eagerly even while a train function is traced."""
+    import tensorflow as tf
+
+    with tf.init_scope():
+        return np.asarray(variable.numpy()).reshape(-1)[idx]
 
 
 def _const(value):

@@ -29,6 +29,7 @@ class _PlanCallback(keras.callbacks.Callback):
         super().__init__()
         self._freezer = freezer
         self._applied: Any = None
+        self._started = False
 
     def _find_freezer(self):
         from finefreeze._optimizer import freezer_of
@@ -44,6 +45,19 @@ class _PlanCallback(keras.callbacks.Callback):
                 resolve(plan, frz._target)
             except PlanError as e:
                 raise PlanError(f"{type(self).__name__} plan for {key}: {e}") from None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if not self._started:
+            self._started = True
+            if epoch > 0:  # a resumed run (initial_epoch, BackupAndRestore): weights were just restored
+                self.freezer._rebase()
+        self._on_epoch(epoch)
+
+    def _on_epoch(self, epoch) -> None:
+        pass
+
+    def on_train_begin(self, logs=None):
+        self._started = False
 
     def _apply(self, key, plan: Plan) -> None:
         if self._applied == key:
@@ -104,10 +118,11 @@ class FreezeSchedule(_PlanCallback):
             self._apply(keys[-1], self.schedule[keys[-1]])
 
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self.freezer = self._find_freezer()
         self._validate(self.freezer, {f"{self.by} {k}": p for k, p in self.schedule.items()})
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def _on_epoch(self, epoch):
         if self.by == "epoch":
             self._due(epoch)
 
@@ -187,13 +202,27 @@ class GradualUnfreezing(_PlanCallback):
         rules = [r for g in self.groups[:k] for r in g]
         return Plan([*self._base.rules, *rules], strict=self._base.strict)
 
+    def _strip_groups(self, plan: Plan) -> Plan:
+        """The plan before any group was released: ``plan`` less a released stage's rules at its end.
+
+        A model saved (or backed up) in the middle of the schedule carries
+        its stage's plan; resuming from it must rebuild the same stages.
+        """
+        rules = [repr(r) for r in plan.rules]
+        for k in range(len(self.groups), 0, -1):
+            tail = [repr(r) for g in self.groups[:k] for r in g]
+            if len(rules) > len(tail) and rules[-len(tail) :] == tail:
+                return Plan(plan.rules[: -len(tail)], strict=plan.strict)
+        return plan
+
     def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
         self.freezer = self._find_freezer()
         if self._base is None:
-            self._base = self.freezer.plan
+            self._base = self._strip_groups(self.freezer.plan)
         self._validate(self.freezer, {f"group {k - 1}": self.stage_plan(k) for k in range(1, len(self.groups) + 1)})
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def _on_epoch(self, epoch):
         k = min(len(self.groups), epoch // self.every)
         if k == 0 and self._applied is None:
             self._applied = 0  # the starting plan is already in force

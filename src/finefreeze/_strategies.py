@@ -28,24 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["STRATEGIES", "AUTO_COMPACT_AT_MOST", "choose", "Slot", "write_all"]
-
-STRATEGIES = ("auto", "restore", "compact", "mask")
-
-#: ``auto`` picks ``compact`` when at most this fraction of a partially frozen
-#: variable's elements train, else ``restore``. Measured crossover of step
-#: time (docs/benchmarks.md, MLP, graph mode): compact 0.97 vs restore 1.06
-#: at 1 %, 1.03 vs 1.05 at 5 %, 1.17 vs 1.06 at 10 %.
-AUTO_COMPACT_AT_MOST = 0.05
-
-
-def choose(strategy: str, n_trainable: int, size: int, has_constraint: bool) -> str:
-    """The concrete strategy for one partially frozen variable."""
-    if strategy == "auto":
-        strategy = "compact" if n_trainable <= AUTO_COMPACT_AT_MOST * size else "restore"
-    if strategy == "compact" and has_constraint:
-        return "restore"  # a constraint acts on the whole variable
-    return strategy
+__all__ = ["Enforcer", "unravel", "write_all"]
 
 
 def _tf():
@@ -101,8 +84,12 @@ def write_all(writes) -> None:
         merged(tf.distribute.get_strategy(), *args)
 
 
-def _unravel(tf, flat, shape):
-    """Flat int32 indices to ``(k, ndim)`` indices, with ops XLA compiles."""
+def unravel(tf, flat, shape):
+    """Flat indices to ``(k, ndim)`` indices, with ops XLA compiles.
+
+    The arithmetic runs in the dtype of ``flat``: int64 indices (variables of
+    2**31 elements or more) never wrap around.
+    """
     if len(shape) <= 1:
         return tf.expand_dims(flat, 1)
     strides, acc = [], 1
@@ -110,12 +97,15 @@ def _unravel(tf, flat, shape):
         strides.append(acc)
         acc *= d
     strides.reverse()
-    return tf.stack([(flat // s) % d for s, d in zip(strides, shape)], axis=1)
+    return tf.stack([(flat // tf.cast(s, flat.dtype)) % tf.cast(d, flat.dtype) for s, d in zip(strides, shape)], axis=1)
 
 
 @dataclasses.dataclass(eq=False)
-class Slot:
-    """One model variable as the wrapper handles it (kept out of tracking)."""
+class Enforcer:
+    """The runtime side of one variable's layout entry: its optimizer variables and hooks.
+
+    Kept in a plain container so model variables are never tracked by the optimizer.
+    """
 
     path: str
     variable: Any  # model variable
@@ -123,7 +113,7 @@ class Slot:
     shape: tuple
     scale: Any = None  # float32 optimizer variable of lr_scale: () or per element; None = 1
     mask: Any = None  # bool optimizer variable (True = frozen): restore, mask
-    index: Any = None  # int32 optimizer variable of trainable flat indices: compact
+    index: Any = None  # int32/int64 optimizer variable of trainable flat indices: compact
     shadow: Any = None  # flat optimizer variable of trainable values: compact
 
     @property
@@ -167,7 +157,7 @@ class Slot:
             new = self.shadow.value
             if old is not None:
                 new = old + tf.cast(self.scale.value, new.dtype) * (new - old)
-            writes.append((self.variable, _scatter, (_unravel(tf, self.index.value, self.shape), new)))
+            writes.append((self.variable, _scatter, (unravel(tf, self.index.value, self.shape), new)))
             return
         if old is None:
             return

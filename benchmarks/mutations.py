@@ -1,0 +1,179 @@
+"""Break the core one line at a time and check that a test catches each break.
+
+Each mutation replaces one piece of source text, runs the tests that should
+catch it, and puts the source back (also on Ctrl-C). A mutation that no test
+catches is a hole in the test suite. The table it prints is the one in
+docs/guarantees.md.
+
+    python benchmarks/mutations.py            # all mutations, about 3 minutes on 2 cores
+    python benchmarks/mutations.py --only 3   # one of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "finefreeze"
+
+# (what breaks, file, original text, replacement, tests that must catch it)
+MUTATIONS = [
+    (
+        "restore: skip the write-back of frozen elements",
+        "_strategies.py",
+        "cur = tf.where(self.mask.value, old, cur)",
+        "cur = cur",
+        "tests/test_conformance.py -k restore-graph",
+    ),
+    (
+        "restore: gradients of frozen elements not selected to 0",
+        "_strategies.py",
+        "return tf.where(mask, tf.zeros_like(grad), grad), old",
+        "return grad, old",
+        "tests/test_conformance.py -k restore-graph",
+    ),
+    (
+        "compact: scatter skipped (trained values never reach the model)",
+        "_strategies.py",
+        "writes.append((self.variable, _scatter, (unravel(tf, self.index.value, self.shape), new)))",
+        "pass",
+        "tests/test_conformance.py -k compact-graph",
+    ),
+    (
+        "migration: drop the EMA reset (released elements' average starts at 0)",
+        "_migrate.py",
+        'return name == "average" or',
+        "return False and",
+        "tests/test_seams.py -k ema",
+    ),
+    (
+        "migration: state of elements that keep training is not carried",
+        "_migrate.py",
+        "kept = old_idx[pos] == elements",
+        "kept = np.zeros(elements.size, bool)",
+        "tests/test_dynamic.py -k transitions_are_exact",
+    ),
+    (
+        "indices: int32 for every variable",
+        "_layout.py",
+        'return "int32" if size <= np.iinfo(np.int32).max + 1 else "int64"',
+        'return "int32"',
+        "tests/test_seams.py -k int32",
+    ),
+    (
+        "unravel: arithmetic in int32 whatever the index dtype",
+        "_strategies.py",
+        "return tf.stack([(flat // tf.cast(s, flat.dtype)) % tf.cast(d, flat.dtype) for s, d in zip(strides, shape)], axis=1)",
+        "flat = tf.cast(flat, tf.int32)\n    return tf.stack([(flat // s) % d for s, d in zip(strides, shape)], axis=1)",
+        "tests/test_seams.py -k int32",
+    ),
+    (
+        "auto: compact for every optimizer",
+        "_layout.py",
+        "    if opt is None or _is_elementwise(opt):",
+        "    if True:",
+        "tests/test_seams.py -k non_elementwise or schedule_free",
+    ),
+    (
+        "ownership: variables of another model accepted",
+        "_layout.py",
+        "        if res.lookup(v) is None:",
+        "        if False:",
+        "tests/test_seams.py -k model_a_refuses",
+    ),
+    (
+        "update: no rollback after a failure",
+        "_freezer.py",
+        "                opts[0].undo_change(u)",
+        "                pass",
+        "tests/test_seams.py -k fails_midway",
+    ),
+    (
+        "Adafactor: NaN-making plans accepted",
+        "_optimizer.py",
+        "        if hazards:\n            raise PlanError(",
+        "        if False:\n            raise PlanError(",
+        "tests/test_seams.py -k adafactor",
+    ),
+    (
+        "compact: weight-decay exclusions not mapped to the flat vector",
+        "_optimizer.py",
+        '                if e.kind == "compact" and not o._use_weight_decay(e.variable):',
+        "                if False:",
+        "tests/test_seams.py -k exclusions",
+    ),
+    (
+        "report: strategy computed apart from the optimizer's layout",
+        "_freezer.py",
+        "        if opts and opts[-1].layout is not None:",
+        "        if False:",
+        "tests/test_seams.py -k wrapped_strategy",
+    ),
+    (
+        "norms: frozen norm from the selected gradient",
+        "_optimizer.py",
+        "            fn += tf.maximum(total - trained, 0.0)",
+        "            fn += 0.0",
+        "tests/test_seams.py -k norms",
+    ),
+    (
+        "wrapper: optimizer settings accepted and ignored",
+        "_optimizer.py",
+        "        if kwargs:\n            names",
+        "        if False:\n            names",
+        "tests/test_seams.py -k refuses_optimizer_settings",
+    ),
+    (
+        "reload: the Freezer of a loaded model not rebuilt",
+        "_freezer.py",
+        "        frz = rebuild_freezer(cls, model, opt)",
+        "        return None",
+        "tests/test_seams.py -k load_model",
+    ),
+]
+
+
+def run(index: int, mutation) -> tuple[str, float]:
+    what, name, old, new, tests = mutation
+    path = SRC / name
+    source = path.read_text()
+    if source.count(old) != 1:
+        return f"not applied: the text occurs {source.count(old)} times in {name}", 0.0
+    t0 = time.time()
+    try:
+        path.write_text(source.replace(old, new))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split(" -k ")[0].split()]
+        if " -k " in tests:
+            cmd += ["-k", tests.split(" -k ", 1)[1]]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    finally:
+        path.write_text(source)
+    last = [ln for ln in proc.stdout.splitlines() if ln.strip()][-1:] or ["(no output)"]
+    verdict = (
+        "caught" if proc.returncode == 1 else ("NOT caught" if proc.returncode == 0 else f"error {proc.returncode}")
+    )
+    return f"{verdict}: {last[0]}", time.time() - t0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", type=int, nargs="*", help="mutation numbers to run (1-based)")
+    args = parser.parse_args()
+    chosen = args.only or range(1, len(MUTATIONS) + 1)
+    print("| # | mutation | file | tests run | result |")
+    print("|---|---|---|---|---|")
+    missed = 0
+    for i in chosen:
+        m = MUTATIONS[i - 1]
+        result, secs = run(i, m)
+        missed += not result.startswith("caught")
+        print(f"| {i} | {m[0]} | `{m[1]}` | `{m[4]}` | {result} ({secs:.0f} s) |", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
