@@ -155,6 +155,34 @@ CASES = [
         "Wrap the plain optimizer; under `mixed_float16`, `compile` puts the LossScaleOptimizer outside.",
     ),
     (
+        "Optimizer settings given to the wrapper",
+        'ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan(), clipnorm=1.0)',
+        "Give `clipnorm`, `weight_decay`, `use_ema` and the like to the optimizer you wrap, as with "
+        "Keras' `LossScaleOptimizer`: `frz.wrap(keras.optimizers.SGD(0.1, clipnorm=1.0))`.",
+    ),
+    (
+        "compact with an optimizer that is not elementwise",
+        'frz = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel[1:]")]), strategy="compact")\n'
+        "frz.wrap(keras.optimizers.Lamb())",
+        "Use `restore` (or `auto`, which picks `compact` only where it changes nothing but cost). "
+        "[Guarantees](guarantees.md) lists the optimizers `compact` serves.",
+    ),
+    (
+        "A plan Keras' Adafactor would turn into NaN",
+        'frz = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel"), ff.train("**/encoder/kernel[0, 0]")]))\n'
+        "frz.wrap(keras.optimizers.Adafactor())",
+        "Freeze such variables whole, train at least one element in every row or column, or use "
+        "Adam, AdamW or Lion for element-level freezing.",
+    ),
+    (
+        "An optimizer wrapped for one model, compiled on another",
+        'opt = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/**")])).wrap(keras.optimizers.Adam())\n'
+        "other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2, name=\"head\")], name=\"other\")\n"
+        'other.compile(optimizer=opt, loss="mse")\n'
+        'other.fit(np.ones((4, 5)), np.ones((4, 2)), verbose=0)',
+        "Each model gets an optimizer from its own Freezer: `ff.Freezer(other, plan).wrap(...)`.",
+    ),
+    (
         "The inexact mask strategy with a stateful optimizer",
         'frz = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel[0]")]), strategy="mask")\n'
         "frz.wrap(keras.optimizers.AdamW()).build(frz.trainable_variables)",
