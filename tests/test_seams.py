@@ -229,21 +229,29 @@ def four_blocks(name):
 
 
 GROUPS = ["**/block2/**", "**/block1/**", "**/block0/**"]
+HEAD_ONLY = ff.Plan([ff.freeze("**"), ff.train("**/head/**")])
+
+
+def compiled_four_blocks():
+    """A fresh model with its Freezer and wrapped Adam, as a new process would build them."""
+    model = four_blocks("s")
+    frz = ff.Freezer(model, HEAD_ONLY)
+    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    return model, frz
+
+
+def straight_run():
+    """Four epochs of GradualUnfreezing without interruption: trained layers per epoch, final weights."""
+    seen = {}
+    model, _ = compiled_four_blocks()
+    fit(model, 4, callbacks=[ff.callbacks.GradualUnfreezing(GROUPS), Record(seen)])
+    return seen, snapshot(model)
 
 
 def test_gradual_unfreezing_resumes_from_load_model(tmp_path):
-    plan = ff.Plan([ff.freeze("**"), ff.train("**/head/**")])
-    straight = {}
-    model = four_blocks("s")
-    frz = ff.Freezer(model, plan)
-    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
-    fit(model, 4, callbacks=[ff.callbacks.GradualUnfreezing(GROUPS), Record(straight)])
-    straight_weights = snapshot(model)
-
+    straight, straight_weights = straight_run()
     resumed = {}
-    model = four_blocks("s")
-    frz = ff.Freezer(model, plan)
-    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    model, frz = compiled_four_blocks()
     fit(model, 2, callbacks=[ff.callbacks.GradualUnfreezing(GROUPS), Record(resumed)])
     model.save(tmp_path / "mid.keras")
     loaded = keras.models.load_model(tmp_path / "mid.keras")
@@ -259,12 +267,7 @@ def test_gradual_unfreezing_resumes_from_load_model(tmp_path):
 
 
 def test_gradual_unfreezing_resumes_under_backup_and_restore(tmp_path):
-    plan = ff.Plan([ff.freeze("**"), ff.train("**/head/**")])
-    straight = {}
-    model = four_blocks("s")
-    frz = ff.Freezer(model, plan)
-    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
-    fit(model, 4, callbacks=[ff.callbacks.GradualUnfreezing(GROUPS), Record(straight)])
+    straight, _ = straight_run()
 
     class Interrupt(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
@@ -273,17 +276,14 @@ def test_gradual_unfreezing_resumes_under_backup_and_restore(tmp_path):
 
     seen = {}
     backup = str(tmp_path / "backup")
-    model = four_blocks("s")
-    frz = ff.Freezer(model, plan)
-    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
-    cbs = [ff.callbacks.GradualUnfreezing(GROUPS), keras.callbacks.BackupAndRestore(backup), Record(seen)]
-    with pytest.raises(RuntimeError, match="interrupted"):
-        fit(model, 4, callbacks=[*cbs, Interrupt()])
-    model = four_blocks("s")  # a new process would build everything again
-    frz = ff.Freezer(model, plan)
-    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
-    cbs = [ff.callbacks.GradualUnfreezing(GROUPS), keras.callbacks.BackupAndRestore(backup), Record(seen)]
-    fit(model, 4, callbacks=cbs)
+    for interrupted in (True, False):  # the second time, a new process builds everything again
+        model, frz = compiled_four_blocks()
+        cbs = [ff.callbacks.GradualUnfreezing(GROUPS), keras.callbacks.BackupAndRestore(backup), Record(seen)]
+        if interrupted:
+            with pytest.raises(RuntimeError, match="interrupted"):
+                fit(model, 4, callbacks=[*cbs, Interrupt()])
+        else:
+            fit(model, 4, callbacks=cbs)
     assert seen == straight
     frz.verify()
 

@@ -361,14 +361,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         values = np.asarray(e.variable.numpy()).reshape(-1)[elements]
         _migrate.carry(self._enforcers.state, e.inner_variable, elements, values, held)
 
-    def _held(self) -> dict:
-        """The state of every trained element now, by model variable identity."""
-        out = {}
-        for e in self._enforcers.ordered:
-            out[id(e.variable)] = _migrate.snapshot(
-                self._enforcers.state, e.inner_variable, _elements(e, trained_only=True), e.kind == "compact"
-            )
-        return out
+    def _held(self, e: Enforcer) -> _migrate.Held:
+        """The state of ``e``'s trained elements now."""
+        return _migrate.snapshot(
+            self._enforcers.state, e.inner_variable, _elements(e, trained_only=True), e.kind == "compact"
+        )
 
     def _warn(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
@@ -461,11 +458,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             todo.append((enf, e, scale))
         for enf, e, scale in todo:
             if enf.kind in ("restore", "mask") and not np.array_equal(enf.mask.numpy(), e.mask.dense()):
-                held = self._held()[id(enf.variable)]
+                held = self._held(enf)
                 enf.mask.assign(e.mask.dense())
                 self._carry(enf, held)
             elif enf.kind == "compact" and not np.array_equal(enf.index.numpy(), e.mask.trainable_flat_indices()):
-                held = self._held()[id(enf.variable)]
+                held = self._held(enf)
                 enf.index.assign(e.mask.trainable_flat_indices().astype(enf.index.dtype))
                 self._carry(enf, held)
             if scale is not None:
@@ -474,7 +471,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     def _rebuild(self, layout: Layout, var_list) -> None:
         """New enforcers around the same inner optimizer, rebuilt in place; state carried by element."""
-        held = self._held()
+        held = {id(e.variable): self._held(e) for e in self._enforcers.ordered}
         others = {k: np.asarray(w.numpy()) for k, w in _migrate.keyed(self._enforcers.state.other).items()}
         ours = self._enforcers.own_variables()
         _migrate.untrack(self, [w for w in self._variables if id(w) in ours])
