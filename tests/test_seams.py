@@ -145,9 +145,9 @@ def test_flat_indices_beyond_int32_unravel_exactly():
     assert index_dtype(2**31 - 1) == "int32" and index_dtype(2**31) == "int32" and index_dtype(2**31 + 1) == "int64"
     assert index_dtype(size) == "int64"
     flat = np.array([0, 2**31 - 1, 2**31, 2**32 + 12345, size - 1], np.int64)
-    got = unravel(tf, tf.constant(flat), shape).numpy()
+    got = keras.ops.convert_to_numpy(unravel(keras.ops.convert_to_tensor(flat), shape))
     assert np.array_equal(got, np.stack(np.unravel_index(flat, shape), axis=1))
-    wrapped = unravel(tf, tf.constant(flat.astype(np.int32)), shape).numpy()  # what int32 did
+    wrapped = keras.ops.convert_to_numpy(unravel(keras.ops.convert_to_tensor(flat.astype(np.int32)), shape))
     assert not np.array_equal(wrapped, got)
 
 

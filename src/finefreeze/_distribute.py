@@ -1,11 +1,15 @@
-"""``tf.distribute`` facts: which strategy owns a model, every replica's copy of a variable."""
+"""``tf.distribute`` facts: which strategy owns a model, every replica's copy of a variable.
+
+On other Keras backends there is no ``tf.distribute``: every check passes and
+a variable has one copy.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from finefreeze._backend import native, tensorflow
 from finefreeze._errors import DistributionError
-from finefreeze._strategies import _tf_variable
 
 __all__ = ["owner_strategy", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
 
@@ -14,7 +18,7 @@ def owner_strategy(variables):
     """The ``tf.distribute`` strategy whose scope created ``variables``, or None."""
     owners = {}
     for v in variables:
-        s = getattr(_tf_variable(v), "_distribute_strategy", None)
+        s = getattr(native(v), "_distribute_strategy", None)
         if s is not None:
             owners[id(s)] = s
     if len(owners) > 1:
@@ -27,8 +31,9 @@ def owner_strategy(variables):
 
 def check_scope(variables, what: str, paths=()) -> None:
     """Raise DistributionError unless ``what`` is created in the scope of the strategy that owns ``variables``."""
-    import tensorflow as tf
-
+    tf = tensorflow()
+    if tf is None:
+        return
     variables = list(variables)
     owner = owner_strategy(variables)
     current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
@@ -66,9 +71,8 @@ def owner_scope(variables):
     """The owning strategy's scope when called outside it (eager writes, new variables); else a no-op."""
     import contextlib
 
-    import tensorflow as tf
-
-    owner = owner_strategy(variables)
+    tf = tensorflow()
+    owner = owner_strategy(variables) if tf is not None else None
     if owner is None or tf.distribute.has_strategy():
         return contextlib.nullcontext()
     return owner.scope()
@@ -76,7 +80,7 @@ def owner_scope(variables):
 
 def replica_values(variable) -> list[np.ndarray]:
     """The value of every replica's copy of ``variable`` (one item when not distributed)."""
-    v = _tf_variable(variable)
+    v = native(variable)
     copies = getattr(v, "values", None)
     if isinstance(copies, tuple) and copies:
         return [np.asarray(c.numpy()) for c in copies]

@@ -17,13 +17,15 @@ import weakref
 
 import keras
 import numpy as np
+from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
 from finefreeze import _migrate
+from finefreeze._backend import assign, eager_scope, flat_dense, tensorflow, write_all
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._layout import STRATEGIES, Layout, VarLayout, index_dtype, refuse_unknown
 from finefreeze._plan import Plan
-from finefreeze._strategies import Enforcer, _assign, write_all
+from finefreeze._strategies import Enforcer
 from finefreeze._targets import remember_base, var_path
 
 __all__ = ["FreezingOptimizer", "inexact_reasons", "find_freezing_optimizer", "freezer_of"]
@@ -257,12 +259,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
-        import tensorflow as tf
-
         from finefreeze._distribute import check_optimizer, owner_strategy
 
         check_optimizer(self, var_list, "FreezingOptimizer.build")
-        if owner_strategy(var_list) is not None and not tf.distribute.in_cross_replica_context():
+        tf = tensorflow()
+        if tf is not None and owner_strategy(var_list) is not None and not tf.distribute.in_cross_replica_context():
             raise DistributionError(
                 "FreezingOptimizer is being built inside strategy.run: build it in the strategy's "
                 "scope first (model.compile + fit do; in a custom loop call "
@@ -301,11 +302,10 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                     v.trainable = False  # per-variable flags are not saved in .keras files
                 continue
             ordered.append(self._make_enforcer(v, e))
-        import tensorflow as tf
-
         out = _Enforcers(ordered, frozen)
+        # not optimizer variables: only FreezeBoard (TensorFlow) reads them, and they are not saved
         out.norms = tuple(
-            tf.Variable(0.0, trainable=False, name=n, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            keras.Variable(0.0, dtype="float32", trainable=False, name=n, aggregation="only_first_replica")
             for n in ("grad_norm_trainable", "grad_norm_frozen")
         )
         return out
@@ -562,25 +562,23 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     def _record_norms(self, raw):
         """Norms of the raw gradient on trainable and on frozen elements."""
-        import tensorflow as tf
-
-        tn, fn = tf.constant(0.0), tf.constant(0.0)
+        tn, fn = ops.zeros(()), ops.zeros(())
         for e, g in raw:
             if g is None:
                 continue
-            g = tf.cast(tf.convert_to_tensor(g), tf.float32)
-            total = tf.reduce_sum(tf.square(g))
+            g = ops.cast(flat_dense(g), "float32")
+            total = ops.sum(ops.square(g))
             if e.kind == "train":
                 tn += total
                 continue
             if e.kind == "compact":
-                trained = tf.reduce_sum(tf.square(tf.gather(tf.reshape(g, [-1]), e.index.value)))
+                trained = ops.sum(ops.square(ops.take(g, e.index.value, axis=0)))
             else:
-                trained = tf.reduce_sum(tf.square(tf.where(e.mask.value, tf.zeros_like(g), g)))
+                trained = ops.sum(ops.square(ops.where(ops.reshape(e.mask.value, (-1,)), ops.zeros_like(g), g)))
             tn += trained
-            fn += tf.maximum(total - trained, 0.0)
+            fn += ops.maximum(total - trained, 0.0)
         write_all(
-            [(self._enforcers.norms[0], _assign, (tf.sqrt(tn),)), (self._enforcers.norms[1], _assign, (tf.sqrt(fn),))]
+            [(self._enforcers.norms[0], assign, (ops.sqrt(tn),)), (self._enforcers.norms[1], assign, (ops.sqrt(fn),))]
         )
 
     def finalize_variable_values(self, var_list):
@@ -675,10 +673,8 @@ def freezer_of(model, given, who: str):
 
 def _eager_values(variable, idx: np.ndarray) -> np.ndarray:
     """The variable's elements at flat ``idx``, read eagerly even while a train function is traced."""
-    import tensorflow as tf
-
-    with tf.init_scope():
-        return np.asarray(variable.numpy()).reshape(-1)[idx]
+    with eager_scope():
+        return np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[idx]
 
 
 def _const(value):

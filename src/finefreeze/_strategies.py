@@ -28,76 +28,28 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["Enforcer", "unravel", "write_all"]
+from keras import ops
+
+from finefreeze._backend import assign, flat_dense, scatter_write, select_frozen_to_zero, snapshot
+
+__all__ = ["Enforcer", "unravel"]
 
 
-def _tf():
-    import tensorflow as tf
-
-    return tf
-
-
-def _tf_variable(v):
-    """The ``tf.Variable`` behind a Keras variable (or the variable itself)."""
-    tf = _tf()
-    return v if isinstance(v, tf.Variable) else v.value
-
-
-def _read(v):
-    """A snapshot tensor of the variable's current value."""
-    return _tf().identity(_tf_variable(v))
-
-
-def _assign(var, value):
-    return var.assign(value)
-
-
-def _scatter(var, indices, values):
-    return var.scatter_nd_update(indices, values)
-
-
-def write_all(writes) -> None:
-    """Perform ``[(variable, fn, args)]`` writes through the strategy's update path.
-
-    Under ``tf.distribute`` a write from replica context goes through
-    ``merge_call`` and ``extended.update``, which runs ``fn`` on every
-    replica's copy with that replica's ``args``; a bare replica-context
-    ``assign`` would aggregate the replicas' values (``aggregation="mean"``
-    rounds them). Without a strategy this is a plain call of each ``fn``.
-    """
-    if not writes:
-        return
-    tf = _tf()
-    tf_vars = [_tf_variable(v) for v, _, _ in writes]
-
-    def merged(strategy, *all_args):
-        for var, (_, fn, _), args in zip(tf_vars, writes, all_args):
-            strategy.extended.update(var, fn, args=args, group=False)
-
-    args = [a for _, _, a in writes]
-    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-        tf.__internal__.distribute.interim.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
-        return
-    from finefreeze._distribute import owner_scope
-
-    with owner_scope(tf_vars):  # e.g. finalize_variable_values after fit, outside the scope
-        merged(tf.distribute.get_strategy(), *args)
-
-
-def unravel(tf, flat, shape):
-    """Flat indices to ``(k, ndim)`` indices, with ops XLA compiles.
+def unravel(flat, shape):
+    """Flat indices to ``(k, ndim)`` indices, with ``keras.ops`` that XLA compiles.
 
     The arithmetic runs in the dtype of ``flat``: int64 indices (variables of
     2**31 elements or more) never wrap around.
     """
     if len(shape) <= 1:
-        return tf.expand_dims(flat, 1)
+        return ops.expand_dims(flat, 1)
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)
         acc *= d
     strides.reverse()
-    return tf.stack([(flat // tf.cast(s, flat.dtype)) % tf.cast(d, flat.dtype) for s, d in zip(strides, shape)], axis=1)
+    dtype = ops.dtype(flat)
+    return ops.stack([(flat // ops.cast(s, dtype)) % ops.cast(d, dtype) for s, d in zip(strides, shape)], axis=1)
 
 
 @dataclasses.dataclass(eq=False)
@@ -128,42 +80,32 @@ class Enforcer:
         """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps).
 
         Writes the step needs before the inner update are appended to
-        ``writes`` (see :func:`write_all`).
+        ``writes`` (see :func:`finefreeze._backend.write_all`).
         """
-        tf = _tf()
         if self.kind == "compact":
             idx = self.index.value
-            values = tf.gather(tf.reshape(_read(self.variable), [-1]), idx)
-            writes.append((self.shadow, _assign, (values,)))
-            g = None
-            if grad is not None:
-                g = tf.gather(tf.reshape(tf.convert_to_tensor(grad), [-1]), idx)
+            values = ops.take(ops.reshape(snapshot(self.variable), (-1,)), idx, axis=0)
+            writes.append((self.shadow, assign, (values,)))
+            g = None if grad is None else ops.take(flat_dense(grad), idx, axis=0)
             return g, (values if self.scale is not None else None)
-        old = _read(self.variable) if self.needs_snapshot() else None
+        old = snapshot(self.variable) if self.needs_snapshot() else None
         if grad is None or self.kind == "train":
             return grad, old
-        mask = self.mask.value
-        if isinstance(grad, tf.IndexedSlices):
-            rows = tf.gather(mask, grad.indices)
-            vals = tf.where(rows, tf.zeros_like(grad.values), grad.values)
-            return tf.IndexedSlices(vals, grad.indices, grad.dense_shape), old
-        grad = tf.convert_to_tensor(grad)
-        return tf.where(mask, tf.zeros_like(grad), grad), old
+        return select_frozen_to_zero(self.mask.value, grad), old
 
     def finish(self, old, writes: list):
         """Append the writes that put the model variable right after the inner update."""
-        tf = _tf()
         if self.kind == "compact":
             new = self.shadow.value
             if old is not None:
-                new = old + tf.cast(self.scale.value, new.dtype) * (new - old)
-            writes.append((self.variable, _scatter, (unravel(tf, self.index.value, self.shape), new)))
+                new = old + ops.cast(self.scale.value, ops.dtype(new)) * (new - old)
+            writes.append(scatter_write(self.variable, unravel(self.index.value, self.shape), new))
             return
         if old is None:
             return
-        cur = _read(self.variable)
+        cur = snapshot(self.variable)
         if self.scale is not None:
-            cur = old + tf.cast(self.scale.value, cur.dtype) * (cur - old)
+            cur = old + ops.cast(self.scale.value, ops.dtype(cur)) * (cur - old)
         if self.kind == "restore":
-            cur = tf.where(self.mask.value, old, cur)
-        writes.append((self.variable, _assign, (cur,)))
+            cur = ops.where(self.mask.value, old, cur)
+        writes.append((self.variable, assign, (cur,)))

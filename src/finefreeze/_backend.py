@@ -1,0 +1,138 @@
+"""The per-backend seam: the few operations that differ between Keras backends.
+
+Strategies are written once with ``keras.ops``. What is truly backend
+specific lives here and nowhere else:
+
+- TensorFlow: writes under ``tf.distribute`` go through ``merge_call`` and
+  ``extended.update`` (every replica's copy); sparse ``IndexedSlices``
+  gradients (embeddings) stay sparse; compact results are scattered in place
+  with ``scatter_nd_update``; a build traced inside ``tf.function`` reads
+  values under ``tf.init_scope``.
+- JAX and PyTorch: plain ``variable.assign`` (inside JAX's stateless,
+  jitted train step the assignments are recorded by Keras' StatelessScope);
+  compact results are written with a functional ``scatter_update``.
+
+TensorFlow is imported only when it is the Keras backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import keras
+
+__all__ = [
+    "eager_scope",
+    "flat_dense",
+    "native",
+    "scatter_write",
+    "select_frozen_to_zero",
+    "snapshot",
+    "tensorflow",
+    "write_all",
+]
+
+
+def tensorflow():
+    """The ``tensorflow`` module when it is the Keras backend, else None."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return tf
+
+
+def native(v):
+    """The backend variable behind a Keras variable (a raw ``tf.Variable`` stays itself)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(v, tf.Variable):
+        return v
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def snapshot(v):
+    """A tensor holding the variable's value now, unaffected by later writes."""
+    tf = tensorflow()
+    if tf is not None:
+        return tf.identity(native(v))
+    return keras.ops.copy(v.value)
+
+
+def _is_sparse(grad) -> bool:
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(grad, tf.IndexedSlices)
+
+
+def select_frozen_to_zero(mask, grad):
+    """``grad`` with frozen elements (``mask`` True) selected to 0 (``where``, never a product)."""
+    if _is_sparse(grad):  # TensorFlow embeddings: stay sparse, select the touched rows only
+        tf = sys.modules["tensorflow"]
+        rows = tf.gather(mask, grad.indices)
+        values = tf.where(rows, tf.zeros_like(grad.values), grad.values)
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    grad = keras.ops.convert_to_tensor(grad)
+    return keras.ops.where(mask, keras.ops.zeros_like(grad), grad)
+
+
+def flat_dense(grad):
+    """``grad`` as a dense flat tensor (an ``IndexedSlices`` is densified)."""
+    if _is_sparse(grad):
+        grad = sys.modules["tensorflow"].convert_to_tensor(grad)
+    return keras.ops.reshape(keras.ops.convert_to_tensor(grad), (-1,))
+
+
+def assign(var, value):
+    return var.assign(value)
+
+
+def _tf_scatter(var, indices, values):
+    return var.scatter_nd_update(indices, values)
+
+
+def _functional_scatter(var, indices, values):
+    return var.assign(keras.ops.scatter_update(var.value, indices, values))
+
+
+def scatter_write(variable, indices, values) -> tuple:
+    """A write (for :func:`write_all`) that puts ``values`` at ``(k, ndim)`` ``indices`` of ``variable``."""
+    fn = _tf_scatter if tensorflow() is not None else _functional_scatter
+    return (variable, fn, (indices, values))
+
+
+def write_all(writes) -> None:
+    """Perform ``[(variable, fn, args)]`` writes through the backend's update path.
+
+    Under ``tf.distribute`` a write from replica context goes through
+    ``merge_call`` and ``extended.update``, which runs ``fn`` on every
+    replica's copy with that replica's ``args``; a bare replica-context
+    ``assign`` would aggregate the replicas' values (``aggregation="mean"``
+    rounds them). Elsewhere this is a plain call of each ``fn``.
+    """
+    if not writes:
+        return
+    tf = tensorflow()
+    if tf is None:
+        for var, fn, args in writes:
+            fn(var, *args)
+        return
+    tf_vars = [native(v) for v, _, _ in writes]
+
+    def merged(strategy, *all_args):
+        for var, (_, fn, _), args in zip(tf_vars, writes, all_args):
+            strategy.extended.update(var, fn, args=args, group=False)
+
+    args = [a for _, _, a in writes]
+    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+        tf.__internal__.distribute.interim.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
+        return
+    from finefreeze._distribute import owner_scope
+
+    with owner_scope(tf_vars):  # e.g. finalize_variable_values after fit, outside the scope
+        merged(tf.distribute.get_strategy(), *args)
+
+
+def eager_scope():
+    """A context where variable values can be read eagerly, even while TensorFlow traces a function."""
+    tf = tensorflow()
+    return tf.init_scope() if tf is not None else contextlib.nullcontext()
