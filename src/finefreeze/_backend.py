@@ -21,6 +21,7 @@ import contextlib
 import sys
 
 import keras
+import numpy as np
 
 __all__ = [
     "eager_scope",
@@ -30,6 +31,7 @@ __all__ = [
     "select_frozen_to_zero",
     "snapshot",
     "tensorflow",
+    "to_numpy",
     "write_all",
 ]
 
@@ -41,6 +43,11 @@ def tensorflow():
     import tensorflow as tf
 
     return tf
+
+
+def to_numpy(x) -> np.ndarray:
+    """The value of a variable or tensor as a numpy array, on every backend."""
+    return np.asarray(keras.ops.convert_to_numpy(x))
 
 
 def native(v):

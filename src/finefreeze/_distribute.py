@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from finefreeze._backend import native, tensorflow
+from finefreeze._backend import native, tensorflow, to_numpy
 from finefreeze._errors import DistributionError
 
 __all__ = ["owner_strategy", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
@@ -83,5 +83,5 @@ def replica_values(variable) -> list[np.ndarray]:
     v = native(variable)
     copies = getattr(v, "values", None)
     if isinstance(copies, tuple) and copies:
-        return [np.asarray(c.numpy()) for c in copies]
-    return [np.asarray(variable.numpy())]
+        return [to_numpy(c) for c in copies]
+    return [to_numpy(variable)]

@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from finefreeze._backend import to_numpy
 from finefreeze._errors import FrozenValueChanged
 
 __all__ = ["Fingerprint", "take", "BLOCK"]
@@ -111,7 +112,7 @@ class Fingerprint:
                 raise PlanError(
                     f"variable {e.path!r} has shape {e.shape} here but {tuple(ref.shape)} in the reference."
                 )
-            now, then = _words(np.asarray(e.variable.numpy())), _words(np.asarray(ref.variable.numpy()))
+            now, then = _words(to_numpy(e.variable)), _words(to_numpy(ref.variable))
             diff = now != then
             if e.frozen is not None:
                 diff &= e.frozen.dense().reshape(-1)
@@ -158,7 +159,7 @@ def take(items) -> Fingerprint:
     """Fingerprint ``(path, variable, shape, frozen ElementMask or None)`` items."""
     entries = []
     for path, var, shape, mask in items:
-        value = np.asarray(var.numpy())
+        value = to_numpy(var)
         frozen = None if mask is None else mask.dense()
         entries.append(_Entry(path, var, tuple(shape), mask, block_hashes(value, frozen)))
     return Fingerprint(tuple(entries))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from finefreeze._backend import to_numpy
 from finefreeze._errors import PlanError
 from finefreeze._layout import STRATEGIES, Layout
 from finefreeze._plan import Plan
@@ -160,7 +161,35 @@ class Freezer:
 
     def _rebase(self) -> None:
         """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
+        self._sync()
         self._fingerprint = self._take_fingerprint()
+
+    def _rebuild_outer(self, var_list) -> None:
+        """Optimizers wrapped around ours (a LossScaleOptimizer) learn the new variable list.
+
+        Keras' JAX trainer hands them the model's trainable variables and they
+        pair them with the list they were built on.
+        """
+        import keras
+
+        from finefreeze._optimizer import FreezingOptimizer
+
+        opt = getattr(self._target.obj, "optimizer", None)
+        while opt is not None and not isinstance(opt, FreezingOptimizer) and opt.built:
+            opt._trainable_variables_indices = {}
+            keras.optimizers.Optimizer.build(opt, list(var_list))
+            opt = getattr(opt, "inner_optimizer", None)
+
+    def _sync(self) -> None:
+        """Bring the variables up to date before reading or changing them.
+
+        Keras' JAX trainer keeps the training state outside the variables
+        between the steps of an epoch (and purges their values); a callback
+        that reads or changes them must sync first.
+        """
+        sync = getattr(self._target.obj, "jax_state_sync", None)
+        if sync is not None:
+            sync()
 
     def _set_flags(self) -> bool:
         """Set Keras flags from the resolution; return whether any changed."""
@@ -255,6 +284,7 @@ class Freezer:
 
         from finefreeze._distribute import owner_scope
 
+        self._sync()
         res = resolve(plan, self._target)
         obj = self._target.obj
         opts = self._optimizers()
@@ -287,6 +317,7 @@ class Freezer:
             raise
         self._earlier += earlier
         if retrace:
+            self._rebuild_outer(var_list)
             self._retrace()
         self._fingerprint = self._take_fingerprint()
         self._record(step, retraced=retrace)
@@ -294,8 +325,9 @@ class Freezer:
 
     def _step(self) -> int:
         """The optimizer step of this Freezer's first optimizer (0 without one)."""
+        self._sync()
         opts = self._optimizers()
-        return int(np.asarray(opts[0].iterations.numpy())) if opts else 0
+        return int(to_numpy(opts[0].iterations)) if opts else 0
 
     def _record(self, step: int, retraced: bool) -> None:
         import time
@@ -353,6 +385,7 @@ class Freezer:
               w: 1 frozen element(s) differ at (0, 1) (shape (2, 2))
             ...
         """
+        self._sync()
         if reference is None:
             if self._earlier:
                 from finefreeze._errors import FrozenValueChanged

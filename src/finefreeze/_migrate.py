@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze._backend import to_numpy
+
 __all__ = [
     "StateMap",
     "build_recording",
@@ -67,8 +69,9 @@ def untrack(opt, variables) -> None:
     # TensorFlow's list wrapper keeps a copy of the list to detect edits made
     # around it; after a removal it stops looking at that copy but keeps it,
     # and with it the removed variables.
-    if variables and "_last_wrapped_list_snapshot" in vars(opt._variables):
-        vars(opt._variables)["_last_wrapped_list_snapshot"] = None
+    state = getattr(opt._variables, "__dict__", {})
+    if variables and "_last_wrapped_list_snapshot" in state:
+        state["_last_wrapped_list_snapshot"] = None
 
 
 def retrack(opt, variables) -> None:
@@ -155,10 +158,8 @@ class Held:
 def snapshot(state: StateMap, inner_variable, elements: np.ndarray, compact: bool) -> Held:
     """The state ``state`` holds for ``inner_variable``, restricted to ``elements`` (its trained ones)."""
     pick = slice(None) if compact else elements
-    per_el = {
-        n: np.asarray(w.numpy()).reshape(-1)[pick].copy() for n, w, _ in state.per_element.get(id(inner_variable), [])
-    }
-    per_var = {k: np.asarray(w.numpy()).copy() for k, w in state.per_variable.get(id(inner_variable), [])}
+    per_el = {n: to_numpy(w).reshape(-1)[pick].copy() for n, w, _ in state.per_element.get(id(inner_variable), [])}
+    per_var = {k: to_numpy(w).copy() for k, w in state.per_variable.get(id(inner_variable), [])}
     return Held(elements, per_el, per_var)
 
 

@@ -21,7 +21,7 @@ from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
 from finefreeze import _migrate
-from finefreeze._backend import assign, eager_scope, flat_dense, tensorflow, write_all
+from finefreeze._backend import assign, eager_scope, flat_dense, tensorflow, to_numpy, write_all
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._layout import STRATEGIES, Layout, VarLayout, index_dtype, refuse_unknown
 from finefreeze._plan import Plan
@@ -358,7 +358,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def _carry(self, e: Enforcer, held) -> None:
         """Fresh state for elements that start training, ``held`` state for those that keep training."""
         elements = _elements(e, trained_only=False)
-        values = np.asarray(e.variable.numpy()).reshape(-1)[elements]
+        values = to_numpy(e.variable).reshape(-1)[elements]
         _migrate.carry(self._enforcers.state, e.inner_variable, elements, values, held)
 
     def _held(self, e: Enforcer) -> _migrate.Held:
@@ -457,11 +457,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 return None
             todo.append((enf, e, scale))
         for enf, e, scale in todo:
-            if enf.kind in ("restore", "mask") and not np.array_equal(enf.mask.numpy(), e.mask.dense()):
+            if enf.kind in ("restore", "mask") and not np.array_equal(to_numpy(enf.mask), e.mask.dense()):
                 held = self._held(enf)
                 enf.mask.assign(e.mask.dense())
                 self._carry(enf, held)
-            elif enf.kind == "compact" and not np.array_equal(enf.index.numpy(), e.mask.trainable_flat_indices()):
+            elif enf.kind == "compact" and not np.array_equal(to_numpy(enf.index), e.mask.trainable_flat_indices()):
                 held = self._held(enf)
                 enf.index.assign(e.mask.trainable_flat_indices().astype(enf.index.dtype))
                 self._carry(enf, held)
@@ -472,7 +472,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def _rebuild(self, layout: Layout, var_list) -> None:
         """New enforcers around the same inner optimizer, rebuilt in place; state carried by element."""
         held = {id(e.variable): self._held(e) for e in self._enforcers.ordered}
-        others = {k: np.asarray(w.numpy()) for k, w in _migrate.keyed(self._enforcers.state.other).items()}
+        others = {k: to_numpy(w) for k, w in _migrate.keyed(self._enforcers.state.other).items()}
         ours = self._enforcers.own_variables()
         _migrate.untrack(self, [w for w in self._variables if id(w) in ours])
         _migrate.unbuild(self.inner_optimizer, self._inner_base)
@@ -489,10 +489,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         """What :meth:`undo_change` needs to undo a :meth:`commit_change`."""
         members = [self, *_migrate.family(self.inner_optimizer)]
         dicts = [(o, dict(vars(o)), list(o._variables)) for o in members]
-        masks = [(w, np.asarray(w.numpy()).copy()) for w in self._variables if id(w) in self._enforcers.own_variables()]
-        state = [
-            (w, np.asarray(w.numpy()).copy()) for ws in self._enforcers.state.per_element.values() for _, w, _ in ws
-        ]
+        masks = [(w, to_numpy(w).copy()) for w in self._variables if id(w) in self._enforcers.own_variables()]
+        state = [(w, to_numpy(w).copy()) for ws in self._enforcers.state.per_element.values() for _, w, _ in ws]
         return dicts, masks + state
 
     @staticmethod
@@ -592,6 +590,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         for e, ctx in pending:
             e.finish(ctx, writes)
         write_all(writes)
+        if tensorflow() is None:
+            # The EMA overwrite made each variable share its buffer with its average;
+            # JAX's next train step donates both and fails (plain Keras 3.15 too).
+            for v in self.inner_optimizer._trainable_variables:
+                v.assign(ops.copy(v.value))
 
     # -- serialization -------------------------------------------------------
     def get_config(self):
@@ -627,10 +630,10 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 def _elements(e: Enforcer, trained_only: bool) -> np.ndarray:
     """Flat indices of the model elements behind an enforcer's per-element state, in state order."""
     if e.kind == "compact":
-        return np.asarray(e.index.numpy()).astype(np.int64)
+        return to_numpy(e.index).astype(np.int64)
     idx = np.arange(int(np.prod(e.shape, dtype=np.int64)))
     if trained_only and e.mask is not None:
-        idx = idx[~np.asarray(e.mask.numpy()).reshape(-1)]
+        idx = idx[~to_numpy(e.mask).reshape(-1)]
     return idx
 
 

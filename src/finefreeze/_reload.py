@@ -14,6 +14,7 @@ import re
 
 import numpy as np
 
+from finefreeze._backend import to_numpy
 from finefreeze._errors import PlanError
 from finefreeze._plan import Plan
 from finefreeze._resolve import PARTIAL, resolve
@@ -38,19 +39,19 @@ def _saved_masks(opt) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | fl
             continue
         frozen = None
         if enf.mask is not None:
-            frozen = np.asarray(enf.mask.numpy(), bool)
+            frozen = to_numpy(enf.mask).astype(bool)
         elif enf.index is not None:
             frozen = np.ones(int(np.prod(enf.shape, dtype=np.int64)), bool)
-            frozen[np.asarray(enf.index.numpy()).astype(np.int64)] = False
+            frozen[to_numpy(enf.index).astype(np.int64)] = False
             frozen = frozen.reshape(enf.shape)
         scale: np.ndarray | float = 1.0
         if enf.scale is not None:
-            s = np.asarray(enf.scale.numpy(), np.float32)
+            s = to_numpy(enf.scale).astype(np.float32)
             if s.ndim == 0:
                 scale = float(s)
             elif enf.index is not None:  # compact: one value per trainable element
                 full = np.ones(frozen.size, np.float32)
-                full[np.asarray(enf.index.numpy()).astype(np.int64)] = s
+                full[to_numpy(enf.index).astype(np.int64)] = s
                 scale = full.reshape(enf.shape)
             else:
                 scale = s
