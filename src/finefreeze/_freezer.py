@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,9 @@ class Freezer:
 
     Args:
         target: a Keras model or layer, a ``tf.Module``, or a list of
-            variables.
+            variables; or a ``tf.compat.v1`` graph, graph variable or list
+            of them (then the Freezer has ``var_list`` and ``minimize``, see
+            docs/tf1.md).
         plan: the :class:`Plan` (a list of rules is accepted too).
         strategy: how partially frozen variables are enforced by
             :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
@@ -48,6 +51,15 @@ class Freezer:
         >>> [v.path for v in frz.trainable_variables]
         ['net/head/kernel', 'net/head/bias']
     """
+
+    def __new__(cls, target: Any, plan: Plan | list, *, strategy: str = "auto", **_graph_kwargs: Any):
+        # tf.compat.v1 graph targets get the Freezer of _graph.py (imported here: it subclasses this one)
+        if cls is Freezer and "tensorflow" in sys.modules:
+            from finefreeze._graph import GraphFreezer, is_graph_target
+
+            if is_graph_target(target):
+                return super().__new__(GraphFreezer)
+        return super().__new__(cls)
 
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto"):
         if isinstance(plan, (list, tuple)):

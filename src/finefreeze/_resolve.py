@@ -153,7 +153,7 @@ def _element_selection(i: int, rule: Rule, vi: VarInfo) -> np.ndarray | None:
             pick[t] = True
         sel &= pick
     if rule.where is not None:
-        value = np.asarray(vi.variable.numpy())
+        value = np.asarray(vi.numpy())
         try:
             got = rule.where(value)
         except Exception as e:

@@ -79,6 +79,10 @@ class VarInfo:
             n *= d
         return n
 
+    def numpy(self):
+        """The variable's current value as a numpy array (``where=`` reads it)."""
+        return self.variable.numpy()
+
 
 @dataclasses.dataclass(eq=False)
 class Target:
