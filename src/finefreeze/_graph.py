@@ -10,9 +10,6 @@ comes from :meth:`GraphFreezer.minimize` (``_graph_train.py``).
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,102 +18,14 @@ import tensorflow as tf
 from finefreeze._errors import PlanError
 from finefreeze._fingerprint import Fingerprint, take
 from finefreeze._freezer import Freezer
+from finefreeze._graph_target import Fetched, GraphValues, collect_graph, is_graph_target
 from finefreeze._graph_train import train_op
 from finefreeze._plan import Plan
 from finefreeze._report import build_report
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, Resolution, VarState, _closest, resolve
-from finefreeze._targets import Target, VarInfo, var_path
+from finefreeze._targets import Target
 
 __all__ = ["GraphFreezer", "is_graph_target"]
-
-_INIT_HINT = "run `sess.run(tf.compat.v1.global_variables_initializer())` (or restore a checkpoint) first"
-
-
-def _graph_of(v) -> tf.Graph | None:
-    """The graph of a ``tf.compat.v1`` graph variable; None for eager (and non-) variables."""
-    if not isinstance(v, tf.Variable):
-        return None
-    try:
-        g = v.graph
-    except AttributeError:  # eager variables have no graph
-        return None
-    return None if g is None or getattr(g, "building_function", False) else g
-
-
-def is_graph_target(target: Any) -> bool:
-    """Whether ``target`` is a ``tf.Graph``, a graph variable, or a non-empty list of graph variables."""
-    if "tensorflow" not in sys.modules:
-        return False
-    if isinstance(target, tf.Graph):
-        return True
-    if isinstance(target, (list, tuple)):
-        return bool(target) and any(_graph_of(v) is not None for v in target)
-    return _graph_of(target) is not None
-
-
-@dataclasses.dataclass(eq=False)
-class _GraphVarInfo(VarInfo):
-    read: Callable[[Any], np.ndarray] | None = None  # value through a session
-
-    def numpy(self):
-        return self.read(self.raw)
-
-
-class _Fetched:
-    """A variable's value read through a session, in the shape a fingerprint reads it."""
-
-    def __init__(self, variable, value):
-        self.variable, self.value = variable, value
-
-    def numpy(self):
-        return self.value
-
-
-def _collect(target: Any, read) -> tuple[tf.Graph, list[_GraphVarInfo]]:
-    if isinstance(target, tf.Graph):
-        graph, items = target, target.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)
-        if not items:
-            raise PlanError(
-                "the graph has no variables in its TRAINABLE_VARIABLES collection; create the model's "
-                "variables in this graph (under `with graph.as_default():`) before the Freezer."
-            )
-    else:
-        items = list(target) if isinstance(target, (list, tuple)) else [target]
-        graphs = {}
-        for i, v in enumerate(items):
-            g = _graph_of(v)
-            if g is None:
-                what = f"a {type(v).__name__}" if not isinstance(v, tf.Variable) else "an eager variable"
-                raise PlanError(
-                    f"target item {i} ({var_path(v) if isinstance(v, tf.Variable) else v!r}) is {what}, not a "
-                    "tf.compat.v1 graph variable; give variables of one graph (or the tf.Graph itself)."
-                )
-            graphs.setdefault(id(g), (g, var_path(v)))
-        if len(graphs) > 1:
-            names = ", ".join(p for _, p in graphs.values())
-            raise PlanError(
-                f"the target's variables belong to {len(graphs)} different graphs (e.g. {names}); a Freezer "
-                "covers the variables of one graph."
-            )
-        graph = next(iter(graphs.values()))[0]
-    trainable = {id(v) for v in graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
-    infos, seen = [], set()
-    for v in items:
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        p = var_path(v)
-        shape, dtype = tuple(int(d) for d in v.shape), v.dtype.base_dtype.name
-        infos.append(_GraphVarInfo(p, (p,), v, v, shape, dtype, None, id(v) in trainable, False, read))
-    return graph, infos
-
-
-def _readable(sess, v) -> bool:
-    try:
-        sess.run(v)  # the variable's own read op: nothing is added to the graph
-    except tf.errors.FailedPreconditionError:
-        return False
-    return True
 
 
 class GraphFreezer(Freezer):
@@ -165,9 +74,8 @@ class GraphFreezer(Freezer):
                 "(gradient selection, update, frozen elements written back: exact with every optimizer)."
             )
         self._strategy = strategy
-        self._session = session
-        self._graph, infos = _collect(target, self._read_one)
-        self._check_session(session)
+        self._graph, infos = collect_graph(target, lambda v: self._values.read_one(v))  # where= reads
+        self._values = GraphValues(self._graph, session)
         target_obj = Target(target, "graph", infos, [])
         self._res: Resolution = resolve(plan, target_obj)
         for s in self._res.states:
@@ -178,7 +86,7 @@ class GraphFreezer(Freezer):
                 )
         self._history: list[dict] = []
         self._fingerprint: Fingerprint | None = None
-        if self._session_or_none(session) is not None:
+        if self._values.pick() is not None:
             self.activate(session)
         self._history.append(
             {"step": 0, "plan": [repr(r) for r in plan.rules], "trainable_elements": self._n_trainable()}
@@ -252,41 +160,6 @@ class GraphFreezer(Freezer):
         """JSON-able dict with the per-variable facts of :meth:`summary`."""
         return build_report(self)
 
-    # -- values through a session -------------------------------------------------
-    def _check_session(self, session) -> None:
-        if session is not None and session.graph is not self._graph:
-            raise PlanError(
-                "the session runs another graph than the Freezer's variables; give the session made "
-                "with `tf.compat.v1.Session(graph=g)` for their graph."
-            )
-
-    def _session_or_none(self, session=None):
-        if session is not None:
-            self._check_session(session)
-            return session
-        if self._session is not None:
-            return self._session
-        default = tf.compat.v1.get_default_session()
-        return default if default is not None and default.graph is self._graph else None
-
-    def _read(self, variables: list, session=None) -> list[np.ndarray]:
-        sess = self._session_or_none(session)
-        if sess is None:
-            raise PlanError(
-                "reading the graph's variables needs a session: pass session=sess, or call this inside "
-                "`with tf.compat.v1.Session(graph=g) as sess:`."
-            )
-        try:
-            return [np.asarray(x) for x in sess.run(list(variables))]
-        except tf.errors.FailedPreconditionError:
-            missing = [var_path(v) for v in variables if not _readable(sess, v)]
-            raise PlanError(f"variables not initialized in this session: {', '.join(missing)}; {_INIT_HINT}.") from None
-        except RuntimeError as e:  # a closed session
-            raise PlanError(f"cannot read the graph's variables: {e}; use an open session of the graph.") from None
-
-    def _read_one(self, variable) -> np.ndarray:
-        return self._read([variable])[0]
-
     # -- fingerprint and verify ---------------------------------------------------
     def _fingerprinted(self) -> list[VarState]:
         return [s for s in self._res.states if self._res.kind_of(s) in (FROZEN, PARTIAL)]
@@ -309,10 +182,8 @@ class GraphFreezer(Freezer):
             PlanError: no session, or uninitialized variables.
         """
         states = self._fingerprinted()
-        values = self._read([s.variable for s in states], session)
-        self._fingerprint = take(
-            (s.path, _Fetched(s.variable, v), s.info.shape, s.mask) for s, v in zip(states, values)
-        )
+        values = self._values.read([s.variable for s in states], session)
+        self._fingerprint = take((s.path, Fetched(s.variable, v), s.info.shape, s.mask) for s, v in zip(states, values))
         return self
 
     def verify(self, reference: Any = None, *, session=None) -> None:
@@ -337,7 +208,9 @@ class GraphFreezer(Freezer):
                 "frz.activate(sess) once the variables are initialized, before training."
             )
         entries = self._fingerprint.entries
-        now = dict(zip((id(e.variable) for e in entries), self._read([e.variable.variable for e in entries], session)))
+        now = dict(
+            zip((id(e.variable) for e in entries), self._values.read([e.variable.variable for e in entries], session))
+        )
         self._fingerprint.verify(read=lambda fetched: [now[id(fetched)]])
 
     # -- training --------------------------------------------------------------------
