@@ -240,9 +240,11 @@ class GraphFreezer(Freezer):
             The train op (a ``tf.Operation``) to run.
 
         Raises:
-            PlanError: ``optimizer`` or ``loss`` does not fit (another graph,
-                not a tensor), or ``loss`` depends on no trainable variable;
-                nothing is added to the graph.
+            PlanError: ``loss`` is not a floating tensor of this graph, or
+                depends on no variable the plan trains; nothing is added to
+                the graph.
+            TypeError: ``optimizer`` is not a ``tf.compat.v1.train``
+                optimizer (a Keras one goes through :meth:`Freezer.wrap`).
 
         Example:
             >>> import numpy as np, tensorflow as tf, finefreeze as ff

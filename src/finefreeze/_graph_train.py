@@ -45,7 +45,7 @@ def select_gradient(grad, frozen):
 
 def _check(frz, optimizer, loss) -> None:
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        raise PlanError(
+        raise TypeError(
             f"minimize() takes a tf.compat.v1.train optimizer (e.g. tf.compat.v1.train.AdamOptimizer), got "
             f"{type(optimizer).__module__}.{type(optimizer).__name__}; Keras optimizers go through Freezer.wrap "
             "on eager variables."
