@@ -18,7 +18,9 @@ OPTIMIZERS = {
     "gd": lambda gs: T.GradientDescentOptimizer(0.05),
     "momentum": lambda gs: T.MomentumOptimizer(0.05, 0.9),
     "nesterov": lambda gs: T.MomentumOptimizer(0.05, 0.9, use_nesterov=True),
+    "momentum_locking": lambda gs: T.MomentumOptimizer(0.05, 0.9, use_locking=True),
     "adam": lambda gs: T.AdamOptimizer(0.05),
+    "adam_locking": lambda gs: T.AdamOptimizer(0.05, use_locking=True),
     "adagrad": lambda gs: T.AdagradOptimizer(0.1),
     "adagrad_da": lambda gs: T.AdagradDAOptimizer(0.1, gs, l1_regularization_strength=0.001),
     "adagrad_da_l2": lambda gs: T.AdagradDAOptimizer(0.1, gs, l2_regularization_strength=0.01),
@@ -132,6 +134,31 @@ def test_reference_variables_are_exact_too(name):
             frz.verify()
     assert np.array_equal(after[FROZEN_W], before[FROZEN_W])
     assert not np.array_equal(after[~FROZEN_W], before[~FROZEN_W])
+
+
+def _sqrt_run(x0, freeze_middle: bool):
+    with tf.Graph().as_default() as g:
+        x = v1.get_variable("x", initializer=x0)
+        loss = tf.reduce_sum(tf.sqrt(x))  # sqrt(-1): NaN loss and a NaN gradient at x[1] only
+        opt = T.AdamOptimizer(0.1)
+        if freeze_middle:
+            frz = ff.Freezer(g, [ff.freeze("x[1]")])
+            op = frz.minimize(opt, loss)
+        else:
+            op = opt.minimize(loss)
+        with v1.Session(graph=g) as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(STEPS):
+                sess.run(op)
+            return sess.run([x, opt.get_slot(x, "m"), opt.get_slot(x, "v")])
+
+
+def test_a_nan_gradient_on_a_frozen_element_is_selected_away_not_multiplied():
+    x, m, v = _sqrt_run(np.array([4.0, -1.0, 9.0], "float32"), freeze_middle=True)
+    ref, _, _ = _sqrt_run(np.array([4.0, 9.0], "float32"), freeze_middle=False)  # the trainable part alone
+    assert np.isfinite(m).all() and np.isfinite(v).all()  # NaN * 0 would be NaN in Adam's moments
+    assert np.array_equal(x[1:2], np.array([-1.0], "float32"))
+    assert np.array_equal(x[[0, 2]], ref)
 
 
 VOCAB, DIM = 12, 4
