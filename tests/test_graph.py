@@ -268,7 +268,7 @@ def _graph():
     return g
 
 
-def test_var_list_summary_masks_and_where_through_a_session():
+def test_var_list_summary_masks_plot_and_where_through_a_session(tmp_path):
     g = _graph()
     enc, head = g.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)
     with v1.Session(graph=g) as sess:
@@ -280,9 +280,14 @@ def test_var_list_summary_masks_and_where_through_a_session():
     assert frz.variable_state("head/w") == "frozen" and frz.strategy_for("enc/w") == "restore"
     text = frz.summary()
     assert "enc/w" in text and "partial" in text and "counter" not in text  # only TRAINABLE_VARIABLES
+    assert "graph state; 1: freeze('enc/w', where=<lambda>)" in text and "Keras" not in text
     totals = frz.report()["totals"]
     assert totals["frozen_elements"] == int((W0 > 0).sum()) + 3
     assert totals["trainable_elements"] == int((W0 <= 0).sum())
+    assert (
+        frz.plot(tmp_path / "frozen.png") == str(tmp_path / "frozen.png") and (tmp_path / "frozen.png").stat().st_size
+    )
+    assert type(ff.Freezer([tf.Variable(W0, name="eager")], [ff.freeze("eager[0]")])) is ff.Freezer  # eager: as before
 
 
 def test_verify_names_a_frozen_element_written_outside_the_train_op():
@@ -348,3 +353,5 @@ def test_bad_input_is_a_plan_error_and_adds_nothing_to_the_graph():
     with v1.Session(graph=g) as sess:
         _raises(lambda: frz.activate(sess), "not initialized in this session: head/w; run `sess.run")
     assert len(g.get_operations()) == n_ops
+    g.finalize()
+    _raises(lambda: frz.minimize(sgd, loss), "graph is finalized")

@@ -10,6 +10,7 @@ comes from :meth:`GraphFreezer.minimize` (``_graph_train.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from finefreeze._freezer import Freezer
 from finefreeze._graph_target import Fetched, GraphValues, collect_graph, is_graph_target
 from finefreeze._graph_train import train_op
 from finefreeze._plan import Plan
-from finefreeze._report import build_report
+from finefreeze._report import build_report, format_summary
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, Resolution, VarState, _closest, resolve
 from finefreeze._targets import Target
 
@@ -157,8 +158,34 @@ class GraphFreezer(Freezer):
         return "restore" if self._state(path).state == PARTIAL else None
 
     def report(self) -> dict:
-        """JSON-able dict with the per-variable facts of :meth:`summary`."""
-        return build_report(self)
+        """JSON-able dict with the per-variable facts of :meth:`summary`.
+
+        Elements no rule selects are decided by the ``graph state``: trainable
+        when the variable is in the graph's ``TRAINABLE_VARIABLES``.
+        """
+        rep = build_report(self)
+        for v in rep["variables"]:
+            for d in v["decided_by"]:
+                d["rule"] = "graph state" if d["rule"] == "keras state" else d["rule"]
+        return rep
+
+    def summary(self, *, variables: bool = True, print_fn: Callable[[str], Any] | None = None) -> str:
+        """The table of :meth:`Freezer.summary`, worded for a graph.
+
+        Args:
+            variables: list each variable under its scope.
+            print_fn: if given, called with the text (``print`` prints it).
+
+        Returns:
+            The table as a string.
+        """
+        text = format_summary(self.report(), variables=variables)
+        text = text.replace("of what Keras trains", "of the trainable variables").replace(
+            "Not trained by Keras (moving statistics etc.)", "Not trainable (outside TRAINABLE_VARIABLES)"
+        )
+        if print_fn is not None:
+            print_fn(text)
+        return text
 
     # -- fingerprint and verify ---------------------------------------------------
     def _fingerprinted(self) -> list[VarState]:

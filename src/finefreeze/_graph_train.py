@@ -65,6 +65,8 @@ def _check(frz, optimizer, loss) -> None:
             f"{'an eager context' if graph is None else 'another graph'}); build the loss in the graph "
             "whose variables the Freezer covers."
         )
+    if frz.graph.finalized:
+        raise PlanError("the graph is finalized; build the train op with frz.minimize before finalizing it.")
     if not loss.dtype.is_floating:
         raise PlanError(f"the loss {loss.name!r} has dtype {loss.dtype.name}; it must be a floating-point tensor.")
     reached = _upstream_ops(loss)
