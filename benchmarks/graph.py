@@ -6,7 +6,7 @@ round's time is divided by the full-training time of the same round, and the
 median ratio with its min-max spread over rounds is reported.
 
     python benchmarks/graph.py                     # MLP 6 x Dense(1024), batch 256, Adam
-    python benchmarks/graph.py --optimizer momentum --rounds 9
+    python benchmarks/graph.py --optimizer momentum --rounds 9 --threads 1
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ OPTIMIZERS = {
 class Variant:
     """One way to train, in its own graph and session."""
 
-    def __init__(self, name, build, depth, width, batch, optimizer):
+    def __init__(self, name, build, depth, width, batch, optimizer, threads=0):
         self.name = name
         rng = np.random.default_rng(0)
         self.graph = tf.Graph()
@@ -53,7 +53,8 @@ class Variant:
             loss = tf.reduce_mean(tf.square(h - y))
             self.frozen = {}  # variable -> bool mask of its frozen elements (for the exactness check)
             self.op, self.extra_bytes = build(self, optimizer(), loss)
-            self.sess = v1.Session(graph=self.graph)
+            config = v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=threads)
+            self.sess = v1.Session(graph=self.graph, config=config)
             self.sess.run(v1.global_variables_initializer())
             self.start = self.sess.run(list(self.frozen))
 
@@ -136,7 +137,8 @@ VARIANTS = {
 
 def run(args) -> list[tuple]:
     variants = [
-        Variant(n, b, args.depth, args.width, args.batch, OPTIMIZERS[args.optimizer]) for n, b in VARIANTS.items()
+        Variant(n, b, args.depth, args.width, args.batch, OPTIMIZERS[args.optimizer], args.threads)
+        for n, b in VARIANTS.items()
     ]
     for v in variants:
         v.time(3)  # warm-up
@@ -175,6 +177,7 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="threads per session (0: TensorFlow's default)")
     random.seed(0)
     run(ap.parse_args())
 

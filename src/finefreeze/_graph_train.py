@@ -38,9 +38,9 @@ def select_gradient(grad, frozen):
     """
     if isinstance(grad, tf.IndexedSlices):
         rows = tf.gather(frozen, grad.indices)
-        values = tf.where(rows, tf.zeros((), grad.values.dtype), grad.values)
+        values = tf.where(rows, tf.zeros_like(grad.values), grad.values)
         return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-    return tf.where(frozen, tf.zeros((), grad.dtype), grad)
+    return tf.where(frozen, tf.zeros_like(grad), grad)
 
 
 def _check(frz, optimizer, loss) -> None:
@@ -134,4 +134,4 @@ def _snapshot(v, frozen):
     value = v.read_value()
     if hasattr(v, "handle"):  # a resource variable: the read is a snapshot
         return value
-    return tf.where(frozen, value, tf.zeros((), value.dtype))  # a reference variable: copy the frozen part
+    return tf.where(frozen, value, tf.zeros_like(value))  # a reference variable: copy the frozen part
