@@ -355,3 +355,56 @@ def test_bad_input_is_a_plan_error_and_adds_nothing_to_the_graph():
     assert len(g.get_operations()) == n_ops
     g.finalize()
     _raises(lambda: frz.minimize(sgd, loss), "graph is finalized")
+
+
+def _apply_run(how):
+    """Adam after a warm phase: frz.minimize, or frz.apply_gradients on pairs computed by hand."""
+    with tf.Graph().as_default() as g:
+        w, b, c = _variables()
+        loss = _net(w, b, c)
+        opt = T.AdamOptimizer(0.05)
+        warm = opt.minimize(loss)
+        frz = ff.Freezer(g, [ff.freeze("net/c"), ff.freeze("net/w", mask=FROZEN_W)])
+        if how == "minimize":
+            op = frz.minimize(opt, loss)
+        elif how == "all pairs":  # pairs of every variable: the fully frozen net/c is left out
+            op = frz.apply_gradients(opt, opt.compute_gradients(loss, var_list=[w, b, c]))
+        else:  # clipped per tensor first
+            grads = opt.compute_gradients(loss, var_list=frz.var_list)
+            op = frz.apply_gradients(opt, [(tf.clip_by_norm(gr, 0.01), v) for gr, v in grads])
+        with v1.Session(graph=g) as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(WARM):
+                sess.run(warm)
+            frz.activate()
+            before = sess.run([w, b, c])
+            for _ in range(STEPS):
+                sess.run(op)
+            frz.verify()
+            return before, sess.run([w, b, c])
+
+
+def test_apply_gradients_matches_minimize_and_leaves_fully_frozen_pairs_out():
+    _, by_minimize = _apply_run("minimize")
+    _, by_pairs = _apply_run("all pairs")
+    assert all(np.array_equal(x, y) for x, y in zip(by_pairs, by_minimize))
+    (w0, b0, c0), (w1, b1, c1) = _apply_run("clipped")
+    assert np.array_equal(w1[FROZEN_W], w0[FROZEN_W]) and np.array_equal(c1, c0)
+    assert not np.array_equal(b1, b0) and not np.array_equal(b1, by_minimize[1])  # clipped: another trajectory
+
+
+def test_apply_gradients_refuses_foreign_variables_and_pairs_without_gradients():
+    g, other = _graph(), _graph()
+    with g.as_default():
+        enc, head = g.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)
+        grad, head_grad = tf.ones_like(enc), tf.ones_like(head)
+    foreign = other.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)[0]
+    frz, sgd = ff.Freezer(g, [ff.freeze("head/**")]), T.GradientDescentOptimizer(0.1)
+    n_ops = len(g.get_operations())
+    _raises(lambda: frz.apply_gradients(sgd, [(grad, foreign)]), "item 0: variable 'enc/w' is not one of this")
+    _raises(lambda: frz.apply_gradients(sgd, [grad]), "item 0 is not a .gradient, variable. pair")
+    _raises(lambda: frz.apply_gradients(sgd, [(head_grad, head)]), "no gradient for any variable the plan")
+    _raises(lambda: frz.apply_gradients(sgd, [(None, enc)]), "no gradient for any variable the plan")
+    with pytest.raises(TypeError, match="apply_gradients.. takes a tf.compat.v1.train optimizer"):
+        frz.apply_gradients(object(), [(grad, enc)])
+    assert len(g.get_operations()) == n_ops

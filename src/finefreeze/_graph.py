@@ -20,7 +20,7 @@ from finefreeze._errors import PlanError
 from finefreeze._fingerprint import Fingerprint, take
 from finefreeze._freezer import Freezer
 from finefreeze._graph_target import Fetched, GraphValues, collect_graph, is_graph_target
-from finefreeze._graph_train import train_op
+from finefreeze._graph_train import apply_op, train_op
 from finefreeze._plan import Plan
 from finefreeze._report import build_report, format_summary
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, Resolution, VarState, _closest, resolve
@@ -258,7 +258,7 @@ class GraphFreezer(Freezer):
             optimizer: a ``tf.compat.v1.train.Optimizer``.
             loss: a tensor of this Freezer's graph.
             global_step: passed to ``apply_gradients``.
-            name: name of the returned op.
+            name: name scope of the ops.
             **kwargs: passed to ``compute_gradients`` (``gate_gradients``,
                 ``aggregation_method``, ``colocate_gradients_with_ops``,
                 ``grad_loss``).
@@ -290,6 +290,49 @@ class GraphFreezer(Freezer):
              [1.    0.062]]
         """
         return train_op(self, optimizer, loss, global_step=global_step, name=name, **kwargs)
+
+    def apply_gradients(self, optimizer, grads_and_vars, *, global_step=None, name: str | None = None):
+        """The train op of :meth:`minimize` from gradients you computed (and clipped, say) yourself.
+
+        Pairs of fully frozen variables are left out (never updated); the
+        gradients of partially frozen ones are selected, and their frozen
+        elements written back after ``optimizer.apply_gradients``, as in
+        :meth:`minimize`. A clip before this call sees the frozen elements'
+        gradients too; select them first with ``tf.where`` if it must not.
+
+        Args:
+            optimizer: a ``tf.compat.v1.train.Optimizer``.
+            grads_and_vars: ``(gradient, variable)`` pairs, e.g. from
+                ``optimizer.compute_gradients(loss, var_list=frz.var_list)``.
+            global_step: passed to ``apply_gradients``.
+            name: name scope of the ops.
+
+        Returns:
+            The train op (a ``tf.Operation``) to run.
+
+        Raises:
+            PlanError: a variable is not one of this Freezer's, or no pair
+                has a gradient for a variable the plan trains; nothing is
+                added to the graph.
+            TypeError: ``optimizer`` is not a ``tf.compat.v1.train``
+                optimizer.
+
+        Example:
+            >>> import tensorflow as tf, finefreeze as ff
+            >>> with tf.Graph().as_default() as g:
+            ...     w = tf.compat.v1.get_variable("w", initializer=tf.ones((3,)))
+            ...     frz = ff.Freezer(g, [ff.freeze("w[0]")])
+            ...     opt = tf.compat.v1.train.AdamOptimizer(0.1)
+            ...     grads = opt.compute_gradients(tf.reduce_sum(w * w), var_list=frz.var_list)
+            ...     clipped = [(tf.clip_by_norm(g, 1.0), v) for g, v in grads]
+            ...     op = frz.apply_gradients(opt, clipped)
+            ...     with tf.compat.v1.Session() as sess:
+            ...         sess.run(tf.compat.v1.global_variables_initializer())
+            ...         _ = sess.run(op)
+            ...         print(sess.run(w).round(3))
+            [1.  0.9 0.9]
+        """
+        return apply_op(self, optimizer, grads_and_vars, global_step=global_step, name=name)
 
     # -- not for graphs ---------------------------------------------------------------
     def update(self, plan: Plan | list) -> GraphFreezer:

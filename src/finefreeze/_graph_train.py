@@ -25,10 +25,10 @@ from typing import Any
 import tensorflow as tf
 
 from finefreeze._errors import PlanError
-from finefreeze._resolve import PARTIAL
+from finefreeze._resolve import PARTIAL, TRAINABLE
 from finefreeze._targets import var_path
 
-__all__ = ["train_op", "select_gradient"]
+__all__ = ["apply_op", "train_op", "select_gradient"]
 
 
 def select_gradient(grad, frozen):
@@ -43,13 +43,21 @@ def select_gradient(grad, frozen):
     return tf.where(frozen, tf.zeros_like(grad), grad)
 
 
-def _check(frz, optimizer, loss) -> None:
+def _check_optimizer(optimizer, what: str) -> None:
     if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
         raise TypeError(
-            f"minimize() takes a tf.compat.v1.train optimizer (e.g. tf.compat.v1.train.AdamOptimizer), got "
+            f"{what}() takes a tf.compat.v1.train optimizer (e.g. tf.compat.v1.train.AdamOptimizer), got "
             f"{type(optimizer).__module__}.{type(optimizer).__name__}; Keras optimizers go through Freezer.wrap "
             "on eager variables."
         )
+
+
+def _check_graph(frz) -> None:
+    if frz.graph.finalized:
+        raise PlanError("the graph is finalized; build the train op with frz.minimize before finalizing it.")
+
+
+def _check_loss(frz, loss) -> None:
     if not isinstance(loss, tf.Tensor):
         raise PlanError(
             f"the loss must be a tensor of the Freezer's graph, got a {type(loss).__name__}; build it from "
@@ -65,8 +73,6 @@ def _check(frz, optimizer, loss) -> None:
             f"{'an eager context' if graph is None else 'another graph'}); build the loss in the graph "
             "whose variables the Freezer covers."
         )
-    if frz.graph.finalized:
-        raise PlanError("the graph is finalized; build the train op with frz.minimize before finalizing it.")
     if not loss.dtype.is_floating:
         raise PlanError(f"the loss {loss.name!r} has dtype {loss.dtype.name}; it must be a floating-point tensor.")
     reached = _upstream_ops(loss)
@@ -96,37 +102,73 @@ def train_op(frz, optimizer, loss, *, global_step=None, name: str | None = None,
     """Build the train op of :meth:`GraphFreezer.minimize` (see the module docstring).
 
     Raises:
-        PlanError: see :meth:`GraphFreezer.minimize`; nothing is added to the graph.
+        PlanError, TypeError: see :meth:`GraphFreezer.minimize`; nothing is added to the graph.
     """
-    _check(frz, optimizer, loss)
-    var_list = frz.var_list
-    states = {id(s.variable): s for s in frz.resolution.states if s.state == PARTIAL}
-    graph = frz.graph
-    with graph.as_default():
-        grads_and_vars = optimizer.compute_gradients(loss, var_list=var_list, **kwargs)
+    _check_optimizer(optimizer, "minimize")
+    _check_loss(frz, loss)
+    _check_graph(frz)
+    with frz.graph.as_default():
+        grads_and_vars = optimizer.compute_gradients(loss, var_list=frz.var_list, **kwargs)
         if all(g is None for g, _ in grads_and_vars):  # connected only through non-differentiable ops
             raise PlanError(
                 f"the loss {loss.name!r} has no gradient for any of the variables the plan trains "
                 "(it reaches them only through non-differentiable ops); nothing to train."
             )
-        with tf.compat.v1.name_scope(name, "finefreeze_train"):
-            selected, restores = [], []
-            for g, v in grads_and_vars:
-                s = states.get(id(v))
-                if g is None or s is None:
-                    selected.append((g, v))
-                    continue
-                frozen = tf.constant(s.mask.dense(), name=var_path(v).replace("/", "_") + "_frozen")
-                selected.append((select_gradient(g, frozen), v))
-                restores.append((v, frozen, _snapshot(v, frozen)))
-            with tf.control_dependencies([snap for _, _, snap in restores]):
-                update = optimizer.apply_gradients(selected, global_step=global_step)
-            with tf.control_dependencies([update]):
-                writes = [
-                    tf.compat.v1.assign(v, tf.where(frozen, snap, v.read_value()), use_locking=True).op
-                    for v, frozen, snap in restores
-                ]
-            return tf.group(update, *writes, name="train")
+        return _apply(frz, optimizer, grads_and_vars, global_step, name)
+
+
+def apply_op(frz, optimizer, grads_and_vars, *, global_step=None, name: str | None = None) -> tf.Operation:
+    """Build the train op of :meth:`GraphFreezer.apply_gradients`.
+
+    Raises:
+        PlanError, TypeError: see :meth:`GraphFreezer.apply_gradients`; nothing is added to the graph.
+    """
+    _check_optimizer(optimizer, "apply_gradients")
+    _check_graph(frz)
+    pairs = list(grads_and_vars)
+    kept = []
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise PlanError(f"grads_and_vars item {i} is not a (gradient, variable) pair: {pair!r}.")
+        g, v = pair
+        s = frz.resolution.lookup(v)
+        if s is None:
+            raise PlanError(
+                f"grads_and_vars item {i}: variable {var_path(v) if isinstance(v, tf.Variable) else v!r} is not "
+                "one of this Freezer's variables; give the pairs of frz.var_list (optimizer.compute_gradients("
+                "loss, var_list=frz.var_list))."
+            )
+        if s.state in (TRAINABLE, PARTIAL):
+            kept.append((g, v))  # fully frozen and untrained variables are left out: never updated
+    if all(g is None for g, _ in kept):
+        raise PlanError(
+            "no gradient for any variable the plan trains in grads_and_vars; give the pairs of frz.var_list."
+        )
+    with frz.graph.as_default():
+        return _apply(frz, optimizer, kept, global_step, name)
+
+
+def _apply(frz, optimizer, grads_and_vars, global_step, name) -> tf.Operation:
+    """Select, apply, write back (the module docstring's steps 2-4), in the default graph."""
+    states = {id(s.variable): s for s in frz.resolution.states if s.state == PARTIAL}
+    with tf.compat.v1.name_scope(name, "finefreeze_train"):
+        selected, restores = [], []
+        for g, v in grads_and_vars:
+            s = states.get(id(v))
+            if g is None or s is None:
+                selected.append((g, v))
+                continue
+            frozen = tf.constant(s.mask.dense(), name=var_path(v).replace("/", "_") + "_frozen")
+            selected.append((select_gradient(g, frozen), v))
+            restores.append((v, frozen, _snapshot(v, frozen)))
+        with tf.control_dependencies([snap for _, _, snap in restores]):
+            update = optimizer.apply_gradients(selected, global_step=global_step)
+        with tf.control_dependencies([update]):
+            writes = [
+                tf.compat.v1.assign(v, tf.where(frozen, snap, v.read_value()), use_locking=True).op
+                for v, frozen, snap in restores
+            ]
+        return tf.group(update, *writes, name="train")
 
 
 def _snapshot(v, frozen):
