@@ -320,6 +320,7 @@ def test_bad_input_is_a_plan_error_and_adds_nothing_to_the_graph():
         loss = tf.reduce_sum(enc) + tf.reduce_sum(head)
         head_only = tf.reduce_sum(head * 2.0)
         step = tf.constant(1)
+        init = v1.global_variables_initializer()
     with other.as_default():
         foreign_loss = tf.reduce_sum(other.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)[0])
     foreign = other.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)[0]
@@ -351,7 +352,11 @@ def test_bad_input_is_a_plan_error_and_adds_nothing_to_the_graph():
     with v1.Session(graph=other) as wrong:
         _raises(lambda: ff.Freezer(g, [ff.freeze("head/w")], session=wrong), "another graph")
     with v1.Session(graph=g) as sess:
+        early = ff.Freezer(g, [ff.freeze("head/**")])  # in a session, before the initializer: fingerprint later
+        _raises(lambda: early.verify(), "no fingerprint .* frz.activate")
         _raises(lambda: frz.activate(sess), "not initialized in this session: head/w; run `sess.run")
+        sess.run(init)
+        early.activate().verify()
     assert len(g.get_operations()) == n_ops
     g.finalize()
     _raises(lambda: frz.minimize(sgd, loss), "graph is finalized")

@@ -87,8 +87,8 @@ class GraphFreezer(Freezer):
                 )
         self._history: list[dict] = []
         self._fingerprint: Fingerprint | None = None
-        if self._values.pick() is not None:
-            self.activate(session)
+        if self._values.initialized([s.variable for s in self._fingerprinted()]):
+            self.activate()  # else activate() later, once the variables have their values
         self._history.append(
             {"step": 0, "plan": [repr(r) for r in plan.rules], "trainable_elements": self._n_trainable()}
         )

@@ -143,5 +143,10 @@ class GraphValues:
         except RuntimeError as e:  # a closed session
             raise PlanError(f"cannot read the graph's variables: {e}; use an open session of the graph.") from None
 
+    def initialized(self, variables: list) -> bool:
+        """Whether a session is at hand and every one of ``variables`` has a value in it."""
+        sess = self.pick()
+        return sess is not None and all(_readable(sess, v) for v in variables)
+
     def read_one(self, variable) -> np.ndarray:
         return self.read([variable])[0]
