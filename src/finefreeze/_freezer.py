@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -52,8 +53,9 @@ class Freezer:
         ['net/head/kernel', 'net/head/bias']
     """
 
-    def __new__(cls, target: Any, plan: Plan | list, *, strategy: str = "auto", **_graph_kwargs: Any):
+    def __new__(cls, *args: Any, **kwargs: Any):
         # tf.compat.v1 graph targets get the Freezer of _graph.py (imported here: it subclasses this one)
+        target = args[0] if args else kwargs.get("target")
         if cls is Freezer and "tensorflow" in sys.modules:
             from finefreeze._graph import GraphFreezer, is_graph_target
 
@@ -433,3 +435,9 @@ class Freezer:
             f"<Freezer {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
             f"elements in {r['variables']} variables>"
         )
+
+
+# inspect.signature(Freezer) shows __init__'s parameters, not those of the dispatching __new__
+Freezer.__signature__ = inspect.signature(Freezer.__init__).replace(
+    parameters=list(inspect.signature(Freezer.__init__).parameters.values())[1:]
+)
