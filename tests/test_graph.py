@@ -4,6 +4,9 @@ Every graph is built under ``with tf.Graph().as_default()`` and run in its own
 ``tf.compat.v1.Session`` (eager execution stays on for the rest of the suite).
 """
 
+import pathlib
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -413,3 +416,12 @@ def test_apply_gradients_refuses_foreign_variables_and_pairs_without_gradients()
     with pytest.raises(TypeError, match="apply_gradients.. takes a tf.compat.v1.train optimizer"):
         frz.apply_gradients(object(), [(grad, enc)])
     assert len(g.get_operations()) == n_ops
+
+
+def test_the_example_on_the_tf1_page_runs(capsys):
+    page = (pathlib.Path(__file__).parent.parent / "docs" / "tf1.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    ns = {}
+    exec(compile(code, "docs/tf1.md", "exec"), ns)  # noqa: S102
+    assert ns["frz"].variable_state("encoder/w") == "partial" and ns["frz"].variable_state("head/w") == "trainable"
+    assert "encoder" in capsys.readouterr().out
