@@ -10,6 +10,8 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import finefreeze as ff
 
@@ -425,3 +427,48 @@ def test_the_example_on_the_tf1_page_runs(capsys):
     exec(compile(code, "docs/tf1.md", "exec"), ns)  # noqa: S102
     assert ns["frz"].variable_state("encoder/w") == "partial" and ns["frz"].variable_state("head/w") == "trainable"
     assert "encoder" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None)
+@given(
+    shape=st.tuples(st.integers(2, 6))
+    | st.tuples(st.integers(1, 5), st.integers(2, 5))
+    | st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(2, 4)),
+    seed=st.integers(0, 2**16),
+    name=st.sampled_from(["nesterov", "adam", "rmsprop_centered", "ftrl_l1_l2", "proximal_adagrad", "adagrad_da"]),
+)
+def test_any_mask_on_any_shape_is_exact_and_trains_as_by_hand(shape, seed, name):
+    rng = np.random.default_rng(seed)
+    x0 = rng.normal(size=shape).astype("float32")
+    target = rng.normal(size=shape).astype("float32")
+    frozen = rng.random(shape) < rng.random()
+    frozen.flat[0], frozen.flat[-1] = True, False  # partially frozen, whatever the draw
+
+    def run(ours):
+        with tf.Graph().as_default() as g:
+            gs = T.get_or_create_global_step()
+            x = v1.get_variable("x", initializer=x0)
+            snap = v1.Variable(np.zeros_like(x0), trainable=False, name="snap")
+            opt = OPTIMIZERS[name](gs)
+            warm = opt.minimize(tf.reduce_sum(tf.sin(x) * target), global_step=gs)
+            if ours:
+                op = ff.Freezer(g, [ff.freeze("x", mask=frozen)]).minimize(
+                    opt, tf.reduce_sum(tf.sin(x) * target), global_step=gs
+                )
+            else:
+                op = opt.minimize(tf.reduce_sum(tf.sin(tf.where(frozen, snap, x)) * target), global_step=gs)
+            with v1.Session(graph=g) as sess:
+                sess.run(v1.global_variables_initializer())
+                for _ in range(2):
+                    sess.run(warm)
+                sess.run(snap.assign(x))
+                before = sess.run(x)
+                for _ in range(3):
+                    sess.run(op)
+                return before, sess.run(x)
+
+    before, after = run(ours=True)
+    _, ref = run(ours=False)
+    assert np.array_equal(after[frozen], before[frozen])
+    assert np.array_equal(after[~frozen], ref[~frozen])
