@@ -295,6 +295,32 @@ def test_var_list_summary_masks_plot_and_where_through_a_session(tmp_path):
     assert type(ff.Freezer([tf.Variable(W0, name="eager")], [ff.freeze("eager[0]")])) is ff.Freezer  # eager: as before
 
 
+class _Linear(tf.Module):
+    def __init__(self):
+        super().__init__(name="linear")
+        self.w = tf.Variable(W0, name="w")
+        self.b = tf.Variable(B0, name="b")
+
+
+def test_a_tf_module_built_in_a_graph_is_a_graph_target():
+    with tf.Graph().as_default() as g:
+        m = _Linear()
+        loss = tf.reduce_sum(tf.square(X @ m.w + m.b))
+        frz = ff.Freezer(m, [ff.freeze("w[0]")])
+        op = frz.minimize(T.MomentumOptimizer(0.1, 0.9), loss)
+        with v1.Session(graph=g) as sess:
+            sess.run(v1.global_variables_initializer())
+            frz.activate()
+            for _ in range(3):
+                sess.run(op)
+            frz.verify()
+            w = sess.run(m.w)
+    assert frz.graph is g and [v.name for v in frz.var_list] == ["b:0", "w:0"]
+    assert np.array_equal(w[0], W0[0]) and not np.array_equal(w[1:], W0[1:])
+    eager = _Linear()  # the same module in eager mode: the Keras-side Freezer, as before
+    assert type(ff.Freezer(eager, [ff.freeze("w[0]")])) is ff.Freezer
+
+
 def test_verify_names_a_frozen_element_written_outside_the_train_op():
     g = _graph()
     with g.as_default():

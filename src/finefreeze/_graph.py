@@ -42,7 +42,8 @@ class GraphFreezer(Freezer):
 
     Args:
         target: a ``tf.Graph`` (the variables of its ``TRAINABLE_VARIABLES``
-            collection), a graph variable, or a list of them.
+            collection), a graph variable, a list of them, or a
+            ``tf.Module`` built in a graph (its variables).
         plan: the :class:`Plan` (a list of rules is accepted too).
         strategy: ``"auto"`` or ``"restore"`` (the same here: gradient
             selection, update, frozen elements written back).

@@ -29,9 +29,11 @@ def _graph_of(v) -> tf.Graph | None:
 
 
 def is_graph_target(target: Any) -> bool:
-    """Whether ``target`` is a ``tf.Graph``, a graph variable, or a non-empty list of graph variables."""
+    """Whether ``target`` is a ``tf.Graph``, a graph variable, or a non-empty list (or ``tf.Module``) of them."""
     if isinstance(target, tf.Graph):
         return True
+    if isinstance(target, tf.Module):
+        target = list(target.variables)
     if isinstance(target, (list, tuple)):
         return bool(target) and any(_graph_of(v) is not None for v in target)
     return _graph_of(target) is not None
@@ -64,6 +66,8 @@ def collect_graph(target: Any, read) -> tuple[tf.Graph, list[_GraphVarInfo]]:
                 "variables in this graph (under `with graph.as_default():`) before the Freezer."
             )
     else:
+        if isinstance(target, tf.Module):  # a module built in a graph: its variables
+            target = list(target.variables)
         items = list(target) if isinstance(target, (list, tuple)) else [target]
         graphs = {}
         for i, v in enumerate(items):
