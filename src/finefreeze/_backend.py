@@ -47,7 +47,10 @@ def tensorflow():
 
 def to_numpy(x) -> np.ndarray:
     """The value of a variable or tensor as a numpy array, on every backend."""
-    return np.asarray(keras.ops.convert_to_numpy(x))
+    if isinstance(x, keras.Variable) or keras.ops.is_tensor(x):
+        return np.asarray(keras.ops.convert_to_numpy(x))
+    numpy = getattr(x, "numpy", None)  # a raw tf.Variable, a value read through a session
+    return np.asarray(numpy() if numpy is not None else x)
 
 
 def native(v):

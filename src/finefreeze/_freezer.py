@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -34,7 +36,9 @@ class Freezer:
 
     Args:
         target: a Keras model or layer, a ``tf.Module``, or a list of
-            variables.
+            variables; or a ``tf.compat.v1`` graph, graph variable or list
+            of them (then the Freezer has ``var_list`` and ``minimize``, see
+            docs/tf1.md).
         plan: the :class:`Plan` (a list of rules is accepted too).
         strategy: how partially frozen variables are enforced by
             :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
@@ -50,6 +54,16 @@ class Freezer:
         >>> [v.path for v in frz.trainable_variables]
         ['net/head/kernel', 'net/head/bias']
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # tf.compat.v1 graph targets get the Freezer of _graph.py (imported here: it subclasses this one)
+        target = args[0] if args else kwargs.get("target")
+        if cls is Freezer and "tensorflow" in sys.modules:
+            from finefreeze._graph import GraphFreezer, is_graph_target
+
+            if is_graph_target(target):
+                return super().__new__(GraphFreezer)
+        return super().__new__(cls)
 
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto"):
         if isinstance(plan, (list, tuple)):
@@ -533,3 +547,9 @@ class Freezer:
             f"<Freezer {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
             f"elements in {r['variables']} variables>"
         )
+
+
+# inspect.signature(Freezer) shows __init__'s parameters, not those of the dispatching __new__
+Freezer.__signature__ = inspect.signature(Freezer.__init__).replace(
+    parameters=list(inspect.signature(Freezer.__init__).parameters.values())[1:]
+)

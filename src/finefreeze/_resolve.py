@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from finefreeze._backend import to_numpy
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._masks import ElementMask
 from finefreeze._plan import Plan
@@ -154,7 +153,7 @@ def _element_selection(i: int, rule: Rule, vi: VarInfo) -> np.ndarray | None:
             pick[t] = True
         sel &= pick
     if rule.where is not None:
-        value = to_numpy(vi.variable)
+        value = np.asarray(vi.numpy())
         try:
             got = rule.where(value)
         except Exception as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from finefreeze._backend import to_numpy
 from finefreeze._errors import PlanError
 
 __all__ = ["VarInfo", "Target", "collect", "var_path"]
@@ -78,6 +79,10 @@ class VarInfo:
         for d in self.shape:
             n *= d
         return n
+
+    def numpy(self):
+        """The variable's current value as a numpy array (``where=`` reads it)."""
+        return to_numpy(self.variable)
 
 
 @dataclasses.dataclass(eq=False)
