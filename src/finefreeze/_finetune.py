@@ -77,7 +77,7 @@ class Result:
         ok = "verify OK (every frozen element bit-identical)" if self.verified else "verify FAILED"
         m = self.metric
         return (
-            f"finefreeze finetune: {m['name']} {m['before']:.4g} before, {m['after']:.4g} after; "
+            f"finefreeze finetune: {m['name']} {m['before']:.4f} before, {m['after']:.4f} after; "
             f"{self.trainable_elements:,} elements trained, {self.frozen_elements:,} frozen; "
             f"{ok}; delta {_kib(self.delta_bytes)} = {100 * self.delta_bytes / self.weights_bytes:.1f}% "
             f"of the {_kib(self.weights_bytes)} of weights; wrote {self.out}"
