@@ -227,3 +227,41 @@ def test_interrupt_at_start_leaves_no_out_folder(tmp_path):
     assert code == 130, err[-3000:]
     one_error_line(err, "interrupted")
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_other_commands_print_nothing_on_stderr(done, tmp_path):
+    for argv in (
+        ["inspect", done / "tuned.keras"],
+        ["verify", done / "base.keras", done / "tuned.keras"],
+        ["delta", "export", done / "tuned.keras", "-o", tmp_path / "d.safetensors"],
+        ["delta", "apply", done / "base.keras", tmp_path / "d.safetensors", "-o", tmp_path / "a.keras"],
+    ):
+        code, out, err = run_cli(*argv)
+        assert code == 0 and err == "", (argv, err[-2000:])
+
+
+@pytest.mark.slow
+def test_force_replaces_a_previous_run_whole(done, tmp_path):
+    import shutil
+
+    from finefreeze._example import DEFAULT_PLAN, make_data
+
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    old_events = set(os.listdir(out / "tensorboard"))
+    old_tuned = (out / "tuned.keras").read_bytes()
+    shutil.copy(done / "base.keras", tmp_path / "model.keras")
+    (tmp_path / "plan.json").write_text(json.dumps(DEFAULT_PLAN))
+    x, y = make_data(256, new_tokens=True, seed=3)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    argv = ["finetune", tmp_path / "model.keras", "--data", tmp_path / "d.npz", "--plan", tmp_path / "plan.json"]
+    code, stdout, err = run_cli(*argv, "--out", out, "--epochs", "1", "--force", "-q")
+    assert code == 0 and err == "", err[-3000:]
+    assert not (out / "base.keras").exists()  # a stale file of the previous run is gone
+    assert (out / "tuned.keras").read_bytes() != old_tuned
+    events = set(os.listdir(out / "tensorboard"))
+    assert events and not events & old_events  # one run's TensorBoard files, not two
+    assert not [f for f in os.listdir(out) if f.startswith(".")]
+    code, stdout, err = run_cli("verify", tmp_path / "model.keras", out / "tuned.keras")
+    assert code == 0, stdout + err

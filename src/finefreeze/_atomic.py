@@ -13,10 +13,23 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 
-__all__ = ["UserError", "atomic_path", "Staging", "refuse_overwrite", "deferred_interrupts", "same_file"]
+__all__ = [
+    "UserError",
+    "atomic_path",
+    "Staging",
+    "refuse_overwrite",
+    "deferred_interrupts",
+    "same_file",
+    "catch_interrupts",
+    "check_interrupt",
+    "interrupted",
+]
+
+_interrupted = False
 
 
 class UserError(Exception):
@@ -45,14 +58,71 @@ def _fsync(path: str) -> None:
         os.fsync(f.fileno())
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def interrupted() -> bool:
+    """Whether Ctrl-C came while :func:`catch_interrupts` was active."""
+    return _interrupted
+
+
+def check_interrupt() -> None:
+    """Raise ``KeyboardInterrupt`` if Ctrl-C came, even one Python swallowed on the way.
+
+    Python raises ``KeyboardInterrupt`` wherever the program is; inside a
+    weak-reference callback or a ``__del__`` it is printed and dropped. The
+    flag set by :func:`catch_interrupts` survives that, and the places that
+    matter (every training batch, before each output is written, before the
+    outputs are renamed into place) call this.
+    """
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+def _on_sigint(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def catch_interrupts() -> Iterator[None]:
+    """Ctrl-C (SIGINT) sets the flag of :func:`check_interrupt` and raises ``KeyboardInterrupt``."""
+    global _interrupted
+    _interrupted = False
+    if not _main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    hook = sys.unraisablehook
+
+    def quiet(unraisable):  # a Ctrl-C that landed in a callback: the flag carries it, not a traceback
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            hook(unraisable)
+
+    sys.unraisablehook = quiet
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = hook
+
+
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
     """Hold Ctrl-C (SIGINT) while the block runs; raise ``KeyboardInterrupt`` after it if one came."""
-    if threading.current_thread() is not threading.main_thread():
+    if not _main_thread():
         yield
         return
     got = []
-    previous = signal.signal(signal.SIGINT, lambda *_: got.append(True))
+
+    def hold(signum, frame):
+        global _interrupted
+        _interrupted = True
+        got.append(True)
+
+    previous = signal.signal(signal.SIGINT, hold)
     try:
         yield
     finally:
@@ -86,6 +156,7 @@ def atomic_path(path: str, *, force: bool = False, flag: str = "--force") -> Ite
     try:
         yield tmp
         _fsync(tmp)
+        check_interrupt()
         with deferred_interrupts():
             os.replace(tmp, path)
     finally:
@@ -129,6 +200,7 @@ class Staging:
 
     def commit(self) -> None:
         """Move every written name into ``out`` (each rename atomic), drop stale ones of a previous run."""
+        check_interrupt()
         with deferred_interrupts():
             trash = os.path.join(self.dir, ".replaced")
             os.mkdir(trash)

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from finefreeze._atomic import UserError, atomic_path, refuse_overwrite
+from finefreeze._atomic import UserError, atomic_path, catch_interrupts, check_interrupt, refuse_overwrite
 from finefreeze._inputs import check_model_file, load_model, load_plan, plan_from_keras_file
 
 __all__ = ["main", "build_parser"]
@@ -240,21 +240,26 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_tf()
     name = "finefreeze"
     try:
-        args = build_parser().parse_args(argv)
-        name += f" {args.command}" + (f" {args.delta_command}" if args.command == "delta" else "")
-        from finefreeze._errors import DeltaError, PlanError
+        with catch_interrupts():
+            args = build_parser().parse_args(argv)
+            name += f" {args.command}" + (f" {args.delta_command}" if args.command == "delta" else "")
+            from finefreeze._errors import DeltaError, PlanError
 
-        try:
-            return args.fn(args)
-        except (UserError, PlanError, DeltaError, ImportError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"{name}: error: {first}", file=sys.stderr)
-            return 2
-        except OSError as e:
-            print(f"{name}: error: {_os_error(e)}", file=sys.stderr)
-            return 2
+            try:
+                code = args.fn(args)
+            except (UserError, PlanError, DeltaError, ImportError) as e:
+                check_interrupt()  # an error caused by the interrupt is the interrupt
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"{name}: error: {first}", file=sys.stderr)
+                return 2
+            except OSError as e:
+                check_interrupt()
+                print(f"{name}: error: {_os_error(e)}", file=sys.stderr)
+                return 2
+            check_interrupt()
+            return code
     except KeyboardInterrupt:
-        print(f"{name}: interrupted; no output was changed", file=sys.stderr)
+        print(f"{name}: interrupted; no file was left half-written", file=sys.stderr)
         return 130
 
 

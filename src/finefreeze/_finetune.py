@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from finefreeze._atomic import Staging, UserError
+from finefreeze._atomic import Staging, UserError, check_interrupt
 from finefreeze._inputs import check_model_file, load_data, load_model, load_plan, plan_from_keras_file
 
 __all__ = ["finetune", "Result", "OUTPUTS"]
@@ -84,6 +84,20 @@ class Result:
         )
 
 
+def _stop_on_interrupt():
+    """A callback that ends ``fit`` at the next batch after a Ctrl-C that Python swallowed."""
+    import keras
+
+    class StopOnInterrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            check_interrupt()
+
+        def on_test_batch_end(self, batch, logs=None):
+            check_interrupt()
+
+    return StopOnInterrupt()
+
+
 def _metric(model, val, batch_size: int, name: str) -> float:
     """``name`` (a compiled metric, or the loss) on the validation data."""
     got = model.evaluate(val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True)
@@ -150,7 +164,13 @@ def _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, s
     board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
     try:
         hist = model.fit(
-            x, y, validation_data=val, epochs=epochs, batch_size=batch_size, verbose=verbose, callbacks=[board]
+            x,
+            y,
+            validation_data=val,
+            epochs=epochs,
+            batch_size=batch_size,
+            verbose=verbose,
+            callbacks=[board, _stop_on_interrupt()],
         )
     finally:
         board.on_train_end()  # closes the event file even when fit is interrupted (idempotent)
@@ -162,8 +182,10 @@ def _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, s
         verified, violations = True, []
     except ff.FrozenValueChanged as e:
         verified, violations = False, [list(v) for v in e.violations]
+    check_interrupt()
     model.save(stage.path("tuned.keras"))
     files["model"] = os.path.join(out, "tuned.keras")
+    check_interrupt()
     delta = frz.save_delta(stage.path("delta.safetensors"))
     files["delta"] = os.path.join(out, "delta.safetensors")
     weights = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)

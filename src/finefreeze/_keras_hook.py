@@ -36,25 +36,35 @@ def _finefreeze_importing() -> bool:
 def register_now() -> None:
     """Import the registering modules (Keras is loaded); a failure warns instead of breaking Keras.
 
-    When Keras was imported from inside a finefreeze module's own import,
-    registering now could meet that half-imported module: it is postponed to
-    :func:`finish_pending`, which the package's attribute lookup calls.
+    When Keras was imported from inside a finefreeze module's own import, a
+    registering module may need that half-imported module: its import then
+    fails, and registration is postponed to :func:`finish_pending`, which the
+    package's attribute lookup calls.
     """
     global _pending
-    if _finefreeze_importing():
-        _pending = True
-        return
     _pending = False
     for name in _REGISTERING:
+        if name in sys.modules:
+            continue  # imported, or being imported further up this very stack
         try:
             importlib.import_module(name)
-        except Exception as e:  # never let finefreeze break `import keras`
-            warnings.warn(
-                f"finefreeze could not register its Keras classes ({name}: {type(e).__name__}: {e}); "
-                f"models saved with them need `import {name}` before loading.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        except ImportError:
+            if _finefreeze_importing():
+                _pending = True
+                continue
+            _warn(name)
+        except Exception:  # never let finefreeze break `import keras`
+            _warn(name)
+
+
+def _warn(name: str) -> None:
+    e = sys.exc_info()[1]
+    warnings.warn(
+        f"finefreeze could not register its Keras classes ({name}: {type(e).__name__}: {e}); "
+        f"models saved with them need `import {name}` before loading.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 class _Loader(importlib.abc.Loader):
