@@ -66,9 +66,8 @@ def cmd_inspect(args) -> int:
 
     if args.model is not None:
         check_model_file(args.model)
-    plan = None
     if args.plan is None and args.model is not None and plan_from_keras_file(args.model) is None:
-        plan = Plan([], strict=False)  # no plan anywhere: the variables as Keras trains them
+        plan = Plan([])  # no plan anywhere: the variables as Keras trains them
         if not args.json:
             print(
                 f"{args.model} holds no finefreeze plan: every variable as Keras trains it (give one with --plan PLAN)"
