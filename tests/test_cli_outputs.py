@@ -265,3 +265,37 @@ def test_force_replaces_a_previous_run_whole(done, tmp_path):
     assert not [f for f in os.listdir(out) if f.startswith(".")]
     code, stdout, err = run_cli("verify", tmp_path / "model.keras", out / "tuned.keras")
     assert code == 0, stdout + err
+
+
+DROPPED_INTERRUPT = """
+import signal, weakref
+from finefreeze._atomic import catch_interrupts, check_interrupt
+
+class Thing:
+    pass
+
+def callback(_):
+    signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the callback
+    for _ in range(1000):
+        pass
+
+with catch_interrupts():
+    thing = Thing()
+    ref = weakref.ref(thing, callback)
+    del thing  # Python prints and drops a KeyboardInterrupt raised in a weakref callback
+    assert ref() is None
+    print("after the callback")
+    try:
+        check_interrupt()
+    except KeyboardInterrupt:
+        print("stopped")
+"""
+
+
+def test_an_interrupt_python_drops_in_a_callback_still_stops_the_command():
+    proc = subprocess.run(
+        [sys.executable, "-c", DROPPED_INTERRUPT], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["after the callback", "stopped"]
+    assert proc.stderr == ""  # no "Exception ignored in ... KeyboardInterrupt" traceback
