@@ -55,10 +55,16 @@ def test_finetune_on_bundled_defaults_writes_everything(tuned_dir):
         assert (out / name).is_file(), name
     assert any(f.name.startswith("events.out.tfevents") for f in (out / "tensorboard").iterdir())
     assert "Freeze plan:" in proc.stdout and "Epoch 1/2" in proc.stdout  # summary, Keras progress bar
-    last = proc.stdout.strip().splitlines()[-1]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "finefreeze finetune: pretraining the bundled text model ..."  # before any slow step
+    last = lines[-1]
     assert last.startswith("finefreeze finetune:") and "verify OK" in last and "delta" in last
     rep = json.loads((out / "report.json").read_text())
     assert rep["finetune"]["verified"] is True
+    metric = rep["finetune"]["metric"]
+    assert metric["name"] == "val_accuracy" and metric["before"] < 0.5 < 0.8 < metric["after"]
+    assert f"val_accuracy {metric['before']:.4f} before, {metric['after']:.4f} after" in last
+    assert metric["after"] == rep["finetune"]["history"]["val_accuracy"][-1]
     assert rep["totals"]["trainable_elements"] == 32 * 32 + 32 * 4 + 4
     assert rep["finetune"]["history"]["val_accuracy"][-1] > 0.8  # the new tokens were learned
     base, tuned = raw(load(out / "base.keras")), raw(load(out / "tuned.keras"))

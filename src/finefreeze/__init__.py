@@ -1,39 +1,76 @@
 """finefreeze: freeze any part of a Keras 3 / TensorFlow model, exactly.
 
+``import finefreeze`` is light: it imports neither Keras nor TensorFlow.
+Each public name loads its private module on first use (PEP 562), and the
+Keras classes finefreeze saves in model files (``FreezingOptimizer``, the
+layers of :mod:`finefreeze.layers`) are registered as soon as Keras is
+imported, so ``keras.models.load_model`` finds them.
+
 Example:
     >>> import finefreeze as ff
     >>> ff.Plan([ff.freeze("**"), ff.train("head/**")])
     Plan([freeze('**'), train('head/**')])
 """
 
-from finefreeze import callbacks as callbacks
-from finefreeze._delta import load_delta as load_delta
-from finefreeze._errors import DeltaError as DeltaError
-from finefreeze._errors import DistributionError as DistributionError
-from finefreeze._errors import FreezeWarning as FreezeWarning
-from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
-from finefreeze._errors import PlanError as PlanError
-from finefreeze._freezer import Freezer as Freezer
-from finefreeze._optimizer import FreezingOptimizer as FreezingOptimizer
-from finefreeze._plan import Plan as Plan
-from finefreeze._rules import Rule as Rule
-from finefreeze._rules import freeze as freeze
-from finefreeze._rules import train as train
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from finefreeze._keras_hook import finish_pending, register_when_keras_loads
 from finefreeze._version import __version__ as __version__
 
-__all__ = [
-    "DeltaError",
-    "DistributionError",
-    "FreezeWarning",
-    "Freezer",
-    "FreezingOptimizer",
-    "FrozenValueChanged",
-    "Plan",
-    "PlanError",
-    "Rule",
-    "__version__",
-    "callbacks",
-    "freeze",
-    "load_delta",
-    "train",
-]
+if TYPE_CHECKING:  # what static tools see; at run time the table below loads them on use
+    from finefreeze import callbacks as callbacks
+    from finefreeze import layers as layers
+    from finefreeze._delta import load_delta as load_delta
+    from finefreeze._errors import DeltaError as DeltaError
+    from finefreeze._errors import DistributionError as DistributionError
+    from finefreeze._errors import FreezeWarning as FreezeWarning
+    from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
+    from finefreeze._errors import PlanError as PlanError
+    from finefreeze._freezer import Freezer as Freezer
+    from finefreeze._optimizer import FreezingOptimizer as FreezingOptimizer
+    from finefreeze._plan import Plan as Plan
+    from finefreeze._rules import Rule as Rule
+    from finefreeze._rules import freeze as freeze
+    from finefreeze._rules import train as train
+
+#: public name -> the module that defines it ("" for a public submodule)
+_LAZY = {
+    "DeltaError": "finefreeze._errors",
+    "DistributionError": "finefreeze._errors",
+    "FreezeWarning": "finefreeze._errors",
+    "Freezer": "finefreeze._freezer",
+    "FreezingOptimizer": "finefreeze._optimizer",
+    "FrozenValueChanged": "finefreeze._errors",
+    "Plan": "finefreeze._plan",
+    "PlanError": "finefreeze._errors",
+    "Rule": "finefreeze._rules",
+    "callbacks": "",
+    "freeze": "finefreeze._rules",
+    "layers": "",
+    "load_delta": "finefreeze._delta",
+    "train": "finefreeze._rules",
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'finefreeze' has no attribute {name!r}")
+    value = (
+        importlib.import_module(f"finefreeze.{name}") if where == "" else getattr(importlib.import_module(where), name)
+    )
+    globals()[name] = value  # later lookups skip this function
+    finish_pending()
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+register_when_keras_loads()

@@ -1,8 +1,10 @@
 """The ``finefreeze`` command line: ``finetune``, ``inspect``, ``verify``, ``delta``.
 
-Every command has ``--help``. User mistakes (missing files, bad plans, data
-that does not fit the model, unknown optimizers) exit with status 2 and one
-line on stderr; ``verify`` exits 1 when a frozen element changed.
+Exit codes: 0 ok, 1 verification failed, 2 bad input or environment (one
+line on stderr, no traceback; OS errors included), 130 interrupted (one
+line, no traceback, no stray files). Every command has ``--help``, which
+imports neither TensorFlow nor Keras; TensorFlow is imported only by the
+commands that need it, after its logging has been quieted.
 """
 
 from __future__ import annotations
@@ -12,14 +14,23 @@ import json
 import os
 import sys
 
-from finefreeze._finetune import UserError, load_model, load_plan
+from finefreeze._atomic import UserError, atomic_path, catch_interrupts, check_interrupt, refuse_overwrite
+from finefreeze._inputs import check_model_file, load_model, load_plan, plan_from_keras_file
 
 __all__ = ["main", "build_parser"]
 
 
-def _quiet_tf():
+def _quiet_tf() -> None:
+    """Silence TensorFlow's C++ and absl logging; runs before TensorFlow is imported."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # else a oneDNN notice is printed before logging is set up
+    os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
+    try:
+        import absl.logging  # light; TensorFlow's Python logging goes through it
+    except ImportError:
+        return
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    absl.logging.set_stderrthreshold("error")
 
 
 def _bundled_model():
@@ -41,6 +52,7 @@ def cmd_finetune(args) -> int:
         batch_size=args.batch_size,
         strategy=args.strategy,
         out=args.out,
+        force=args.force,
         verbose=0 if args.quiet else 1,
         print_fn=(lambda *a, **k: None) if args.quiet else print,
     )
@@ -50,9 +62,20 @@ def cmd_finetune(args) -> int:
 
 def cmd_inspect(args) -> int:
     from finefreeze._freezer import Freezer
+    from finefreeze._plan import Plan
 
+    if args.model is not None:
+        check_model_file(args.model)
+    if args.plan is None and args.model is not None and plan_from_keras_file(args.model) is None:
+        plan = Plan([])  # no plan anywhere: the variables as Keras trains them
+        if not args.json:
+            print(
+                f"{args.model} holds no finefreeze plan: every variable as Keras trains it (give one with --plan PLAN)"
+            )
+    else:
+        plan = load_plan(args.plan, model_file=args.model)
     model = _bundled_model() if args.model is None else load_model(args.model)
-    frz = Freezer(model, load_plan(args.plan, model_file=args.model))
+    frz = Freezer(model, plan)
     if args.json:
         print(json.dumps(frz.report(), indent=2))
     else:
@@ -64,6 +87,8 @@ def cmd_verify(args) -> int:
     from finefreeze._errors import FrozenValueChanged
     from finefreeze._freezer import Freezer
 
+    check_model_file(args.base)
+    check_model_file(args.tuned)
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
     base, tuned = load_model(args.base), load_model(args.tuned)
     frz = Freezer(tuned, plan)
@@ -82,10 +107,13 @@ def cmd_verify(args) -> int:
 def cmd_delta_export(args) -> int:
     from finefreeze._freezer import Freezer
 
+    check_model_file(args.tuned)
+    refuse_overwrite([args.output], [args.tuned, args.plan], "delta export")
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
-    frz = Freezer(load_model(args.tuned), plan)
-    info = frz.save_delta(args.output)
-    print(f"wrote {info['path']}: {info['tensors']} tensors, {info['bytes']:,} bytes")
+    with atomic_path(args.output, force=args.force) as tmp:
+        frz = Freezer(load_model(args.tuned), plan)
+        info = frz.save_delta(tmp)
+    print(f"wrote {args.output}: {info['tensors']} tensors, {info['bytes']:,} bytes")
     return 0
 
 
@@ -93,12 +121,17 @@ def cmd_delta_apply(args) -> int:
     from finefreeze._delta import load_delta
     from finefreeze._errors import DeltaError
 
-    model = load_model(args.base)
-    try:
-        info = load_delta(model, args.delta)
-    except DeltaError as e:
-        raise UserError(str(e)) from None
-    model.save(args.output)
+    check_model_file(args.base)
+    refuse_overwrite([args.output], [args.base, args.delta], "delta apply")
+    if not os.path.exists(args.delta):
+        raise UserError(f"delta file {args.delta!r} does not exist")
+    with atomic_path(args.output, force=args.force) as tmp:
+        model = load_model(args.base)
+        try:
+            info = load_delta(model, args.delta)
+        except DeltaError as e:
+            raise UserError(str(e)) from None
+        model.save(tmp)
     print(f"wrote {args.output}: {info['elements']:,} elements in {info['variables']} variables from {args.delta}")
     return 0
 
@@ -143,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how partially frozen variables are enforced (default: auto)",
     )
     ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
+    ft.add_argument("--force", action="store_true", help="replace the files of a previous run in --out")
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
 
     ins = _command(
@@ -180,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("tuned", help="the fine-tuned .keras model")
     ex.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
     ex.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
+    ex.add_argument("--force", action="store_true", help="replace an existing output file")
     ap = _command(
         dsub,
         "apply",
@@ -190,22 +225,41 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("base", help="the .keras base model")
     ap.add_argument("delta", help="the .safetensors delta")
     ap.add_argument("-o", "--output", required=True, help="the .keras file to write")
+    ap.add_argument("--force", action="store_true", help="replace an existing output file")
     return p
 
 
-def main(argv=None) -> int:
-    """Entry point of the ``finefreeze`` command; returns the exit code."""
-    _quiet_tf()
-    args = build_parser().parse_args(argv)
-    from finefreeze._errors import DeltaError, PlanError
+def _os_error(e: OSError) -> str:
+    where = f" {e.filename!r}" if e.filename else ""
+    return f"{e.strerror or e}{':' if where else ''}{where}"
 
-    name = args.command + (f" {args.delta_command}" if args.command == "delta" else "")
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``finefreeze`` command; returns the exit code (0, 1, 2 or 130)."""
+    _quiet_tf()
+    name = "finefreeze"
     try:
-        return args.fn(args)
-    except (UserError, PlanError, DeltaError, ImportError) as e:
-        first = str(e).strip().splitlines()[0]
-        print(f"finefreeze {name}: error: {first}", file=sys.stderr)
-        return 2
+        with catch_interrupts():
+            args = build_parser().parse_args(argv)
+            name += f" {args.command}" + (f" {args.delta_command}" if args.command == "delta" else "")
+            from finefreeze._errors import DeltaError, PlanError
+
+            try:
+                code = args.fn(args)
+            except (UserError, PlanError, DeltaError, ImportError) as e:
+                check_interrupt()  # an error caused by the interrupt is the interrupt
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"{name}: error: {first}", file=sys.stderr)
+                return 2
+            except OSError as e:
+                check_interrupt()
+                print(f"{name}: error: {_os_error(e)}", file=sys.stderr)
+                return 2
+            check_interrupt()
+            return code
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; no file was left half-written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

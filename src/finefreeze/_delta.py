@@ -1,10 +1,12 @@
-"""Delta files: only what training may have changed, as safetensors.
+"""Delta files: only what training may have changed, as safetensors (format in ``_deltafile``).
 
 A delta holds the values of trainable variables in full, and for partially
 frozen variables the flat indices and values of their trainable elements.
-Its metadata names the library version, the plan, and a fingerprint of the
-frozen part of every variable, so ``load_delta`` refuses a base whose frozen
-part differs. Files are written atomically (temporary file, fsync, rename).
+Its metadata names the library version, the plan, a fingerprint of the
+frozen part of every variable (``load_delta`` refuses a base whose frozen
+part differs) and a checksum of every stored tensor. ``load_delta`` checks
+everything before it writes anything, and restores what it wrote if a write
+fails. Files are written atomically (temporary file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -16,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze import _deltafile
 from finefreeze._errors import DeltaError, PlanError
 
 __all__ = ["save_delta", "load_delta"]
-
-_FORMAT = "finefreeze.delta/1"
 
 
 def _digest(value: np.ndarray, frozen: np.ndarray | None) -> str:
@@ -29,29 +30,9 @@ def _digest(value: np.ndarray, frozen: np.ndarray | None) -> str:
     return hashlib.blake2b(block_hashes(value, frozen).tobytes(), digest_size=16).hexdigest()
 
 
-def _encode_index(p: str, idx: np.ndarray) -> dict[str, np.ndarray]:
-    """Flat indices as runs ``(start, length)`` or a plain list, whichever is smaller."""
-    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = idx[np.r_[0, breaks]]
-    lengths = np.diff(np.r_[0, breaks, idx.size])
-    dtype = np.int32 if idx.size == 0 or idx[-1] < 2**31 else np.int64
-    if 2 * starts.size < idx.size:
-        return {f"{p}::runs": np.stack([starts, lengths], axis=1).astype(dtype)}
-    return {f"{p}::index": idx.astype(dtype)}
-
-
-def _decode_index(p: str, tensors) -> np.ndarray:
-    if f"{p}::runs" in tensors:
-        runs = tensors[f"{p}::runs"].astype(np.int64)
-        if runs.size == 0:
-            return np.zeros(0, np.int64)
-        return np.concatenate([np.arange(s, s + n) for s, n in runs])
-    return tensors[f"{p}::index"].astype(np.int64)
-
-
 def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
     """Write the delta of ``frz``'s target to ``path``; return a summary."""
-    from safetensors.numpy import save_file
+    from finefreeze._version import __version__
 
     tensors: dict[str, np.ndarray] = {}
     meta_vars = {}
@@ -64,7 +45,7 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
             tensors[p] = value
         elif kind == "partial":
             idx = mask.trainable_flat_indices()
-            tensors.update(_encode_index(p, idx))
+            tensors.update(_deltafile.encode_index(p, idx))
             tensors[f"{p}::values"] = value.reshape(-1)[idx]
             info["frozen"] = _digest(value, mask.dense())
         else:
@@ -74,13 +55,11 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
         plan = json.dumps(frz.plan.to_dict())
     except PlanError:
         plan = "null"
-    from finefreeze._version import __version__
-
-    metadata = {"format": _FORMAT, "finefreeze": __version__, "plan": plan, "variables": json.dumps(meta_vars)}
     path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    folder, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        _deltafile.write(tensors, meta_vars, plan, __version__, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -93,29 +72,67 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
     return {"path": path, "bytes": os.path.getsize(path), "tensors": len(tensors)}
 
 
-def _read(path: str):
-    from safetensors import safe_open
+def _plan_writes(path: str, variables: dict, tensors: dict, by_path: dict) -> list[tuple[str, Any, np.ndarray]]:
+    """Every ``(path, variable, new value)`` to write, after every check against the base."""
+    from finefreeze._targets import match_path
 
-    if not os.path.exists(path):
-        raise DeltaError(f"delta file {path!r} does not exist.")
-    try:
-        with safe_open(path, framework="np") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:
-        raise DeltaError(
-            f"delta file {path!r} is damaged or truncated ({type(e).__name__}: {e}); write it again with save_delta."
-        ) from None
-    if meta.get("format") != _FORMAT:
-        raise DeltaError(f"{path!r} is not a finefreeze delta file (format {meta.get('format')!r}).")
-    return meta, tensors
+    writes = []
+    for p, info in variables.items():
+        try:
+            vi = match_path(p, by_path)
+        except PlanError as e:
+            raise DeltaError(f"delta {path!r}: {e}") from None
+        shape, dtype = tuple(int(n) for n in info["shape"]), np.dtype(info["dtype"])
+        if vi is None:
+            raise DeltaError(f"delta {path!r}: the base has no variable {p!r} (shape {shape}).")
+        if tuple(vi.shape) != shape or np.dtype(vi.dtype) != dtype:
+            raise DeltaError(
+                f"delta {path!r}: variable {p!r} is {tuple(vi.shape)} {vi.dtype} in the base but "
+                f"{shape} {dtype} in the delta."
+            )
+        kind = info["kind"]
+        if kind in ("trainable", "untrained"):
+            value = tensors[p]
+            if value.dtype != dtype or value.shape != shape:
+                raise DeltaError(
+                    f"delta {path!r}: tensor {p!r} is {value.dtype} {value.shape}, its variable {dtype} {shape}."
+                )
+            writes.append((p, vi.variable, value))
+            continue
+        base = np.asarray(vi.variable.numpy())
+        frozen = None
+        if kind == "partial":
+            try:
+                idx = _deltafile.decode_index(p, tensors, base.size)
+            except DeltaError as e:
+                raise DeltaError(f"delta {path!r}: {e}") from None
+            values = tensors[f"{p}::values"]
+            if values.dtype != dtype or values.shape != idx.shape:
+                raise DeltaError(
+                    f"delta {path!r}: tensor {p + '::values'!r} is {values.dtype} {values.shape} but "
+                    f"{p!r} needs {dtype} ({idx.size},) for its {idx.size} trainable elements."
+                )
+            frozen = np.ones(base.size, bool)
+            frozen[idx] = False
+            frozen = frozen.reshape(base.shape)
+        if _digest(base, frozen) != info.get("frozen"):
+            raise DeltaError(
+                f"delta {path!r}: the frozen part of {p!r} (shape {tuple(base.shape)}) differs from "
+                "the base the delta was trained on (fingerprint mismatch); apply it to that base."
+            )
+        if kind == "partial":
+            flat = base.reshape(-1).copy()
+            flat[idx] = values
+            writes.append((p, vi.variable, flat.reshape(base.shape)))
+    return writes
 
 
 def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
     """Apply a delta file written by ``Freezer.save_delta`` to a base model.
 
-    Every check runs before any value is written: on error the target is
-    unchanged.
+    All or nothing: the file's checksums, keys, shapes and dtypes and the
+    base's frozen part are checked before any value is written, and if a
+    write fails the values already written are restored.
 
     Args:
         target: the base (a Keras model or layer, a ``tf.Module`` or a list
@@ -126,9 +143,12 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
         A summary dict: ``{"variables": n, "elements": n}`` written.
 
     Raises:
-        DeltaError: missing or damaged file, a variable missing from the
-            base or of another shape or dtype, or a base whose frozen part
-            differs from the one the delta was trained on.
+        DeltaError: missing or damaged file (header, metadata or tensor
+            bytes), a tensor missing, extra or of another dtype or shape, a
+            variable missing from the base or of another shape or dtype, a
+            base whose frozen part differs from the one the delta was trained
+            on, or a failed write (the base is restored). The message names
+            the tensor or variable.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff, tempfile, os
@@ -143,59 +163,32 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
         >>> base.numpy().tolist()
         [[0.0, 0.0], [1.0, 2.0]]
     """
-    from finefreeze._targets import collect, match_path
+    from finefreeze._distribute import owner_scope
+    from finefreeze._targets import collect
 
     path = os.fspath(path)
-    meta, tensors = _read(path)
-    variables = json.loads(meta["variables"])
+    variables, tensors = _deltafile.read(path)
     try:
         t = collect(target)
     except PlanError as e:
         raise DeltaError(str(e)) from None
     by_path = {n: vi for vi in t.variables for n in vi.names}
-    writes = []
-    for p, info in variables.items():
-        try:
-            vi = match_path(p, by_path)
-        except PlanError as e:
-            raise DeltaError(f"delta {path!r}: {e}") from None
-        if vi is None:
-            raise DeltaError(f"delta {path!r}: the base has no variable {p!r} (shape {tuple(info['shape'])}).")
-        if list(vi.shape) != info["shape"] or np.dtype(vi.dtype) != np.dtype(info["dtype"]):
-            raise DeltaError(
-                f"delta {path!r}: variable {p!r} is {vi.shape} {vi.dtype} in the base but "
-                f"{tuple(info['shape'])} {info['dtype']} in the delta."
-            )
-        kind = info["kind"]
-        if kind in ("trainable", "untrained"):
-            writes.append((vi.variable, tensors[p]))
-            continue
-        base = np.asarray(vi.variable.numpy())
-        if kind == "partial":
-            idx = _decode_index(p, tensors)
-            if idx.size and (idx.min() < 0 or idx.max() >= base.size):
-                raise DeltaError(f"delta {path!r}: indices of {p!r} do not fit shape {tuple(base.shape)}.")
-            frozen = np.ones(base.size, bool)
-            frozen[idx] = False
-            got = _digest(base, frozen.reshape(base.shape))
-        else:
-            got = _digest(base, None)
-        if got != info["frozen"]:
-            raise DeltaError(
-                f"delta {path!r}: the frozen part of {p!r} (shape {tuple(base.shape)}) differs from "
-                "the base the delta was trained on (fingerprint mismatch); apply it to that base."
-            )
-        if kind == "partial":
-            flat = base.reshape(-1).copy()
-            flat[idx] = tensors[f"{p}::values"]
-            writes.append((vi.variable, flat.reshape(base.shape)))
-    from finefreeze._distribute import owner_scope
-
-    with owner_scope([v for v, _ in writes]):
-        for var, value in writes:
-            var.assign(value)
+    writes = _plan_writes(path, variables, tensors, by_path)
+    done: list[tuple[Any, np.ndarray]] = []
+    with owner_scope([v for _, v, _ in writes]):
+        for p, var, value in writes:
+            old = np.array(var.numpy(), copy=True)
+            try:
+                var.assign(value)
+            except BaseException as e:  # an interrupt too: never leave the base half-written
+                for v, o in reversed(done):
+                    v.assign(o)
+                if not isinstance(e, Exception):
+                    raise
+                raise DeltaError(
+                    f"delta {path!r}: writing {p!r} failed ({type(e).__name__}: {e}); the base was restored."
+                ) from None
+            done.append((var, old))
     n_partial = sum(int(tensors[f"{p}::values"].size) for p, i in variables.items() if i["kind"] == "partial")
-    n_full = sum(
-        int(np.prod(i["shape"], dtype=np.int64)) for i in variables.values() if i["kind"] in ("trainable", "untrained")
-    )
+    n_full = sum(int(tensors[p].size) for p, i in variables.items() if i["kind"] in ("trainable", "untrained"))
     return {"variables": len(writes), "elements": n_partial + n_full}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from finefreeze.layers import PositionEmbedding
+
 __all__ = [
     "build_text_model",
     "PositionEmbedding",
@@ -21,17 +23,6 @@ VOCAB = 512  #: tokens the "pretrained" model knows
 NEW_TOKENS = 32  #: tokens added for fine-tuning
 SEQ = 16
 CLASSES = 4  #: labels of the classification task
-
-
-@keras.saving.register_keras_serializable(package="finefreeze")
-class PositionEmbedding(keras.layers.Layer):
-    """Adds a learned embedding of each position to a ``(batch, seq, d)`` input."""
-
-    def build(self, input_shape):
-        self.embeddings = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="embeddings")
-
-    def call(self, x):
-        return x + self.embeddings
 
 
 def build_text_model(vocab: int = VOCAB + NEW_TOKENS, seed: int = 0):

@@ -106,29 +106,65 @@ def _fmt_state(v) -> str:
     return v["state"]
 
 
+#: the width a summary aims at; longer texts end in an ellipsis (full text in ``report()``)
+WIDTH = 132
+_NAME_WIDTH = 32  # layer and variable names: longer ones lose their middle
+_SHAPE_WIDTH = 20
+_DECIDED_MIN = 20  # "Decided by" keeps at least this much even when other columns are wide
+
+
+def _shorten(text: str, width: int, *, middle: bool = False) -> str:
+    """``text`` cut to ``width`` characters with an ellipsis (in the middle for paths)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    if middle:
+        head = (width - 1) // 2
+        return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
+    return text[: width - 1] + "…"
+
+
+def _unique(items) -> list:
+    return list(dict.fromkeys(items))
+
+
+def _rule_numbers(deciders) -> str:
+    """``"1, 3"`` for the rules (numbered as in the plan legend) that decided some elements; ``keras`` for none."""
+    out = []
+    for d in deciders:
+        number, sep, _ = d["rule"].partition(": ")
+        out.append(number if sep and number.isdigit() else "keras")
+    return ", ".join(_unique(out))
+
+
+_LEGEND_RULES = 20  # rules listed above the table; the rest are counted
+
+
 def format_summary(rep: dict, *, variables: bool = True) -> str:
     by_path = {v["path"]: v for v in rep["variables"]}
     head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", "Adam state", "Decided by")
     rows = []
     for layer in rep["layers"]:
+        own = [by_path[p] for p in layer["variables"]]
+        n = len(own)
         rows.append(
             (
-                layer["layer"] or "(root)",
-                "",
+                _shorten(layer["layer"] or "(root)", _NAME_WIDTH, middle=True),
+                f"{n} variable{'s' if n != 1 else ''}",
                 f"{layer['elements']:,}",
                 f"{layer['trainable_elements']:,}",
                 f"{layer['frozen_elements']:,}",
                 _fmt_state(layer),
                 f"{layer['adam_state_elements']:,}",
-                "",
+                _rule_numbers(d for v in own for d in v["decided_by"]),
             )
         )
         if variables:
-            for p in layer["variables"]:
-                v = by_path[p]
-                name = "  " + p.rsplit("/", 1)[-1]
+            for v in own:
+                name = "  " + _shorten(v["path"].rsplit("/", 1)[-1], _NAME_WIDTH - 2, middle=True)
                 state = _fmt_state(v) + (f" [{v['strategy']}]" if v["strategy"] else "")
-                deciders = "; ".join(d["rule"] for d in v["decided_by"])
+                deciders = _rule_numbers(v["decided_by"])
                 rows.append(
                     (
                         name,
@@ -142,17 +178,22 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
                     )
                 )
     widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    widths[-1] = min(widths[-1], 60)
+    widths[1] = min(widths[1], _SHAPE_WIDTH)
+    widths[-1] = min(widths[-1], max(_DECIDED_MIN, WIDTH - sum(widths[:-1]) - 2 * (len(widths) - 1)))
 
     def line(r):
-        cells = [str(c)[: widths[i]] if i == len(r) - 1 else str(c) for i, c in enumerate(r)]
+        cells = [_shorten(str(c), widths[i]) for i, c in enumerate(r)]
         return "  ".join(
             c.ljust(w) if i in (0, 1, 5, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
         ).rstrip()
 
-    rule = "─" * (sum(widths) + 2 * (len(widths) - 1))
+    rule = "─" * min(WIDTH, sum(widths) + 2 * (len(widths) - 1))
     t = rep["totals"]
-    out = ["Freeze plan: " + ", ".join(rep["plan"]), rule, line(head), rule]
+    out = ["Freeze plan:" + ("" if rep["plan"] else " no rules (every variable as Keras trains it)")]
+    out += [_shorten(f"  {i + 1}: {r}", WIDTH) for i, r in enumerate(rep["plan"][:_LEGEND_RULES])]
+    if len(rep["plan"]) > _LEGEND_RULES:
+        out.append(f"  … and {len(rep['plan']) - _LEGEND_RULES} more rules (all in report()['plan'])")
+    out += [rule, line(head), rule]
     out += [line(r) for r in rows]
     out.append(rule)
     pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
@@ -161,16 +202,26 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
     out.append(f"Not trained by Keras (moving statistics etc.): {t['untrained_elements']:,}")
     out.append(f"Optimizer state with Adam: {t['adam_state_elements']:,} elements")
     if rep["frozen_layers"]:
-        out.append("Frozen as layers (inference mode): " + ", ".join(rep["frozen_layers"]))
+        names = rep["frozen_layers"]
+        text = f"Frozen as layers (inference mode): {', '.join(names)}"
+        if len(text) > WIDTH:
+            tail = f" ({len(names)} layers; all in report()['frozen_layers'])"
+            text = _shorten(text, WIDTH - len(tail)) + tail
+        out.append(text)
     for g in rep.get("lr_scales", []):
-        out.append(f"Learning-rate scale {g['lr_scale']:g} for {g['elements']:,} elements: rule {g['rule']}")
+        out.append(
+            _shorten(f"Learning-rate scale {g['lr_scale']:g} for {g['elements']:,} elements: rule {g['rule']}", WIDTH)
+        )
     history = rep.get("history", [])
     if len(history) > 1:
         out.append("Plan changes:")
         for h in history:
             how = "retraced" if h["retraced"] else "no retrace"
             out.append(
-                f"  step {h['step']:>6} ({h['time']}): {h['trainable_elements']:,} trainable "
-                f"elements [{how}]: {', '.join(h['plan'])}"
+                _shorten(
+                    f"  step {h['step']:>6} ({h['time']}): {h['trainable_elements']:,} trainable "
+                    f"elements [{how}]: {', '.join(h['plan'])}",
+                    WIDTH,
+                )
             )
     return "\n".join(out)

@@ -1,0 +1,172 @@
+"""The delta file format (version 2): safetensors whose metadata vouches for every byte.
+
+Metadata entries (all strings, as safetensors requires):
+
+- ``format``: ``finefreeze.delta/2``; ``finefreeze``: the writing version;
+  ``plan``: the plan as JSON (informational);
+- ``variables``: JSON ``{path: {shape, dtype, kind, frozen?}}``, ``kind``
+  one of ``trainable``, ``untrained``, ``partial``, ``frozen``; ``frozen`` is
+  the digest of the variable's frozen part (see ``_delta``);
+- ``tensors``: JSON ``{key: {dtype, shape, sha256}}`` for every stored tensor
+  (``path`` for whole variables, ``path::index`` or ``path::runs`` and
+  ``path::values`` for partially frozen ones);
+- ``checksum``: sha256 of the other entries, so damaged metadata is caught too.
+
+:func:`read` checks all of it — header, metadata, keys, dtypes, shapes and
+checksums, missing or extra tensors — and raises :class:`DeltaError` naming
+the tensor before anyone writes a value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from finefreeze._errors import DeltaError
+
+__all__ = ["FORMAT", "write", "read", "encode_index", "decode_index", "stored_keys"]
+
+FORMAT = "finefreeze.delta/2"
+_V1 = "finefreeze.delta/1"
+KINDS = ("trainable", "untrained", "partial", "frozen")
+
+
+def _sha256(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _meta_checksum(meta: dict[str, str]) -> str:
+    body = json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def encode_index(p: str, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Flat indices as runs ``(start, length)`` or a plain list, whichever is smaller."""
+    breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = idx[np.r_[0, breaks]]
+    lengths = np.diff(np.r_[0, breaks, idx.size])
+    dtype = np.int32 if idx.size == 0 or idx[-1] < 2**31 else np.int64
+    if 2 * starts.size < idx.size:
+        return {f"{p}::runs": np.stack([starts, lengths], axis=1).astype(dtype)}
+    return {f"{p}::index": idx.astype(dtype)}
+
+
+def decode_index(p: str, tensors: dict[str, np.ndarray], size: int) -> np.ndarray:
+    """The sorted flat indices stored for ``p``; :class:`DeltaError` unless they fit ``size`` elements."""
+    if f"{p}::runs" in tensors:
+        runs = tensors[f"{p}::runs"].astype(np.int64)
+        if runs.ndim != 2 or runs.shape[1] != 2 or (runs[:, 1] < 0).any():
+            raise DeltaError(f"tensor {p + '::runs'!r}: runs must be (start, length) pairs, got shape {runs.shape}")
+        idx = np.concatenate([np.arange(s, s + n) for s, n in runs]) if runs.size else np.zeros(0, np.int64)
+    else:
+        idx = tensors[f"{p}::index"].astype(np.int64)
+    if idx.ndim != 1 or (idx.size and (idx[0] < 0 or idx[-1] >= size or (np.diff(idx) <= 0).any())):
+        raise DeltaError(f"indices of {p!r} are not increasing flat indices into {size} elements")
+    return idx
+
+
+def stored_keys(p: str, info: dict, tensors: dict) -> list[str]:
+    """The tensor keys a variable entry needs."""
+    kind = info["kind"]
+    if kind in ("trainable", "untrained"):
+        return [p]
+    if kind == "partial":
+        return [f"{p}::runs" if f"{p}::runs" in tensors else f"{p}::index", f"{p}::values"]
+    return []
+
+
+def write(tensors: dict[str, np.ndarray], variables: dict, plan: str, version: str, path: str) -> None:
+    """Write a v2 delta to ``path`` (the caller makes it atomic)."""
+    from safetensors.numpy import save_file
+
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    table = {k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in tensors.items()}
+    meta = {
+        "format": FORMAT,
+        "finefreeze": version,
+        "plan": plan,
+        "variables": json.dumps(variables),
+        "tensors": json.dumps(table),
+    }
+    meta["checksum"] = _meta_checksum(meta)
+    save_file(tensors, path, metadata=meta)
+
+
+def _open(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    if not os.path.exists(path):
+        raise DeltaError(f"delta file {path!r} does not exist.")
+    if os.path.isdir(path):
+        raise DeltaError(f"delta {path!r} is a folder; give a .safetensors file.")
+    try:
+        with safe_open(path, framework="np") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise DeltaError(
+            f"delta file {path!r} is damaged or truncated ({type(e).__name__}: {first}); export it again."
+        ) from None
+    return meta, tensors
+
+
+def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The ``variables`` metadata and the tensors of a v2 delta, every byte checked.
+
+    Raises:
+        DeltaError: naming the tensor or metadata entry that is damaged, missing or extra.
+    """
+    meta, tensors = _open(path)
+    fmt = meta.get("format")
+    if fmt == _V1:
+        raise DeltaError(
+            f"delta {path!r} is format 1 (no checksums), which this version no longer applies; export it again "
+            "from the tuned model: `finefreeze delta export TUNED.keras -o DELTA.safetensors` (or Freezer.save_delta)."
+        )
+    if fmt != FORMAT:
+        raise DeltaError(f"{path!r} is not a finefreeze delta file (format {fmt!r}, expected {FORMAT!r}).")
+    if meta.get("checksum") != _meta_checksum(meta):
+        raise DeltaError(f"delta {path!r}: its metadata is damaged (checksum mismatch); export it again.")
+    where = "metadata"
+    try:
+        variables = json.loads(meta["variables"])
+        table = json.loads(meta["tensors"])
+        extra = sorted(set(tensors) - set(table))
+        if extra:
+            raise DeltaError(f"tensor {extra[0]!r} is not listed in the metadata")
+        for key, t in table.items():
+            where = f"tensor {key!r}"
+            if key not in tensors:
+                raise DeltaError(f"{where} is listed in the metadata but missing from the file")
+            got = tensors[key]
+            if str(got.dtype) != t["dtype"] or list(got.shape) != list(t["shape"]):
+                raise DeltaError(
+                    f"{where} is {got.dtype} {got.shape} but the metadata says {t['dtype']} {tuple(t['shape'])}"
+                )
+            if _sha256(got) != t["sha256"]:
+                raise DeltaError(f"{where}: its bytes are damaged (sha256 mismatch)")
+        needed = set()
+        for p, info in variables.items():
+            where = f"variable {p!r}"
+            if info["kind"] not in KINDS:
+                raise DeltaError(f"{where} has unknown kind {info['kind']!r}")
+            np.dtype(info["dtype"])
+            [int(n) for n in info["shape"]]
+            keys = stored_keys(p, info, tensors)
+            missing = [k for k in keys if k not in tensors]
+            if missing:
+                raise DeltaError(f"tensor {missing[0]!r} of {where} is missing")
+            needed.update(keys)
+        unused = sorted(set(tensors) - needed)
+        if unused:
+            raise DeltaError(f"tensor {unused[0]!r} belongs to no variable of the metadata")
+    except DeltaError as e:
+        raise DeltaError(f"delta {path!r}: {e}") from None
+    except Exception as e:  # malformed metadata: wrong types, missing fields
+        raise DeltaError(f"delta {path!r}: {where} is malformed ({type(e).__name__}: {e}); export it again.") from None
+    return variables, tensors

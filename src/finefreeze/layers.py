@@ -1,0 +1,41 @@
+"""Keras layers of the bundled example model, registered for ``keras.models.load_model``.
+
+The models that ``finefreeze finetune`` writes (``base.keras``,
+``tuned.keras``) use these layers. They are registered with Keras under the
+package name ``finefreeze`` as soon as Keras is imported after
+``import finefreeze``, so such files load with ``import finefreeze`` alone.
+
+Example:
+    >>> import finefreeze as ff
+    >>> ff.layers.__all__
+    ['PositionEmbedding']
+"""
+
+from __future__ import annotations
+
+import keras
+
+__all__ = ["PositionEmbedding"]
+
+
+@keras.saving.register_keras_serializable(package="finefreeze")
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned embedding of each position to a ``(batch, seq, d)`` input.
+
+    Its one weight, ``embeddings``, has the input's shape without the batch
+    axis and is drawn from ``random_normal``.
+
+    Example:
+        >>> import keras, numpy as np
+        >>> import finefreeze as ff
+        >>> layer = ff.layers.PositionEmbedding(name="pos")
+        >>> y = layer(np.zeros((2, 16, 8), "float32"))
+        >>> tuple(layer.embeddings.shape), bool(np.array_equal(y[0], layer.embeddings))
+        ((16, 8), True)
+    """
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="embeddings")
+
+    def call(self, x):
+        return x + self.embeddings

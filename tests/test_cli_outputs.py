@@ -1,0 +1,301 @@
+"""Outputs that cannot be half-written, refusals that change nothing, interrupts, broken model files."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from finefreeze._cli import main
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+#: the environment of a person's shell: no TensorFlow quieting of our own
+ENV = {k: v for k, v in os.environ.items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+ENV["PYTHONPATH"] = SRC + os.pathsep + os.environ.get("PYTHONPATH", "")
+
+
+def cli(*args, **kw):
+    return subprocess.Popen(
+        [sys.executable, "-m", "finefreeze", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        **kw,
+    )
+
+
+def run_cli(*args):
+    proc = cli(*args)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def tree(folder):
+    """Every file under ``folder`` with its bytes (hidden ones included)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, folder)] = fh.read()
+    return out
+
+
+def one_error_line(err, *expected):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for e in expected:
+        assert e in lines[0], err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """A complete bundled run (1 epoch) in ``out``."""
+    out = tmp_path_factory.mktemp("done") / "out"
+    code, stdout, err = run_cli("finetune", "--out", out, "--epochs", "1", "-q")
+    assert code == 0, err[-3000:]
+    assert err == ""  # no TensorFlow log lines, no warnings
+    return out
+
+
+@pytest.mark.slow
+def test_a_used_out_is_refused_without_force_and_nothing_changes(done):
+    before = tree(done)
+    code, stdout, err = run_cli("finetune", "--out", done, "--epochs", "1", "-q")
+    assert code == 2
+    one_error_line(err, "--force", str(done))
+    assert tree(done) == before
+
+
+@pytest.mark.slow
+def test_no_command_writes_over_its_input(done, tmp_path):
+    before = tree(done)
+    plan = tmp_path / "plan.json"
+    from finefreeze._example import DEFAULT_PLAN, make_data
+
+    plan.write_text(json.dumps(DEFAULT_PLAN))
+    x, y = make_data(64, new_tokens=True)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    tuned = done / "tuned.keras"
+    cases = [
+        ("finetune", tuned, "--data", tmp_path / "d.npz", "--plan", plan, "--out", done, "--force"),
+        ("delta", "apply", done / "base.keras", done / "delta.safetensors", "-o", done / "base.keras", "--force"),
+        ("delta", "export", tuned, "-o", tuned, "--force"),
+    ]
+    for argv in cases:
+        code = main([str(a) for a in argv])
+        assert code == 2, argv
+    assert tree(done) == before
+
+
+def test_existing_output_files_need_force(tmp_path, capsys):
+    import finefreeze as ff
+    from finefreeze._example import DEFAULT_PLAN, build_text_model
+
+    m = build_text_model()
+    frz = ff.Freezer(m, ff.Plan.from_dict(DEFAULT_PLAN))
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+    m.save(tmp_path / "t.keras")
+    (tmp_path / "d.safetensors").write_bytes(b"keep me")
+    assert main(["delta", "export", str(tmp_path / "t.keras"), "-o", str(tmp_path / "d.safetensors")]) == 2
+    one_error_line(capsys.readouterr().err, "--force", "d.safetensors")
+    assert (tmp_path / "d.safetensors").read_bytes() == b"keep me"
+    assert main(["delta", "export", str(tmp_path / "t.keras"), "-o", str(tmp_path / "d.safetensors"), "--force"]) == 0
+    capsys.readouterr()
+    applied = tmp_path / "applied.keras"
+    applied.write_bytes(b"keep me too")
+    args = ["delta", "apply", str(tmp_path / "t.keras"), str(tmp_path / "d.safetensors"), "-o", str(applied)]
+    assert main(args) == 2
+    one_error_line(capsys.readouterr().err, "--force")
+    assert applied.read_bytes() == b"keep me too"
+    assert main([*args, "--force"]) == 0
+    assert keras.models.load_model(applied, compile=False).count_params() == m.count_params()
+    assert sorted(os.listdir(tmp_path)) == ["applied.keras", "d.safetensors", "t.keras"]  # no temporary left
+
+
+def test_out_that_is_a_file_or_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "f").write_text("x")
+    for out in (tmp_path / "f", tmp_path / "f" / "sub"):
+        assert main(["finetune", "--out", str(out), "-q"]) == 2
+        one_error_line(capsys.readouterr().err, "finefreeze finetune: error:", str(tmp_path / "f"))
+    assert (tmp_path / "f").read_text() == "x"
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    d = tmp_path_factory.mktemp("broken")
+    from finefreeze._example import build_text_model
+
+    build_text_model().save(d / "good.keras")
+    data = (d / "good.keras").read_bytes()
+    (d / "truncated.keras").write_bytes(data[: len(data) // 2])
+    (d / "folder.keras").mkdir()
+    (d / "text.keras").write_text("not a model\n")
+    return d
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("truncated", "damaged or truncated"), ("folder", "is a folder"), ("text", "is not a Keras model file")],
+)
+def test_broken_model_files_are_one_line_exit_2(broken, name, expected, capsys):
+    bad, good = str(broken / f"{name}.keras"), str(broken / "good.keras")
+    for argv in (
+        ["inspect", bad],
+        ["verify", good, bad],
+        ["finetune", bad, "--out", str(broken / "out")],
+        ["delta", "export", bad, "-o", str(broken / "x.safetensors")],
+        ["delta", "apply", bad, str(broken / "x.safetensors"), "-o", str(broken / "y.keras")],
+    ):
+        assert main(argv) == 2, argv
+        one_error_line(capsys.readouterr().err, expected, bad)
+    assert not (broken / "out").exists() and not (broken / "y.keras").exists()
+
+
+def test_inspect_a_model_without_a_plan_lists_everything_as_trainable(tmp_path, capsys):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="user")
+    model.save(tmp_path / "user.keras")
+    assert main(["inspect", str(tmp_path / "user.keras")]) == 0
+    out = capsys.readouterr().out
+    assert "holds no finefreeze plan" in out and "--plan" in out
+    assert "token_embedding" not in out
+    assert main(["inspect", str(tmp_path / "user.keras"), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["plan"] == []
+    assert {v["path"]: v["state"] for v in rep["variables"]} == {"d/kernel": "trainable", "d/bias": "trainable"}
+
+
+def wait_for(proc, cond, what):
+    t = time.monotonic()
+    while not cond():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.stderr.read()[-2000:]}"
+        assert time.monotonic() - t < 240, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def staged(out, name):
+    def cond():
+        try:
+            dirs = [d for d in os.listdir(out) if d.startswith(".finefreeze-tmp-")]
+        except FileNotFoundError:
+            return False
+        return any(os.path.exists(os.path.join(out, d, name)) for d in dirs)
+
+    return cond
+
+
+def interrupt(proc):
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["training", "saving the model", "drawing the picture"])
+def test_interrupt_leaves_the_previous_run_complete(done, point):
+    before = tree(done)
+    epochs = 40 if point == "training" else 1
+    proc = cli("finetune", "--out", done, "--epochs", epochs, "--force", "-q")
+    if point == "training":
+        wait_for(proc, staged(done, "tensorboard"), point)
+        time.sleep(1.0)  # well inside fit
+    elif point == "saving the model":
+        wait_for(proc, staged(done, "tuned.keras"), point)
+    else:
+        wait_for(proc, staged(done, "delta.safetensors"), point)
+    code, err = interrupt(proc)
+    assert code == 130, err[-3000:]
+    one_error_line(err, "interrupted")
+    assert tree(done) == before  # no stray file, no half-written one, the previous run intact
+
+
+@pytest.mark.slow
+def test_interrupt_at_start_leaves_no_out_folder(tmp_path):
+    out = tmp_path / "fresh"
+    proc = cli("finetune", "--out", out)
+    first = proc.stdout.readline()
+    assert first.startswith("finefreeze finetune: pretraining"), first
+    code, err = interrupt(proc)
+    assert code == 130, err[-3000:]
+    one_error_line(err, "interrupted")
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_other_commands_print_nothing_on_stderr(done, tmp_path):
+    for argv in (
+        ["inspect", done / "tuned.keras"],
+        ["verify", done / "base.keras", done / "tuned.keras"],
+        ["delta", "export", done / "tuned.keras", "-o", tmp_path / "d.safetensors"],
+        ["delta", "apply", done / "base.keras", tmp_path / "d.safetensors", "-o", tmp_path / "a.keras"],
+    ):
+        code, out, err = run_cli(*argv)
+        assert code == 0 and err == "", (argv, err[-2000:])
+
+
+@pytest.mark.slow
+def test_force_replaces_a_previous_run_whole(done, tmp_path):
+    import shutil
+
+    from finefreeze._example import DEFAULT_PLAN, make_data
+
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    old_events = set(os.listdir(out / "tensorboard"))
+    old_tuned = (out / "tuned.keras").read_bytes()
+    shutil.copy(done / "base.keras", tmp_path / "model.keras")
+    (tmp_path / "plan.json").write_text(json.dumps(DEFAULT_PLAN))
+    x, y = make_data(256, new_tokens=True, seed=3)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    argv = ["finetune", tmp_path / "model.keras", "--data", tmp_path / "d.npz", "--plan", tmp_path / "plan.json"]
+    code, stdout, err = run_cli(*argv, "--out", out, "--epochs", "1", "--force", "-q")
+    assert code == 0 and err == "", err[-3000:]
+    assert not (out / "base.keras").exists()  # a stale file of the previous run is gone
+    assert (out / "tuned.keras").read_bytes() != old_tuned
+    events = set(os.listdir(out / "tensorboard"))
+    assert events and not events & old_events  # one run's TensorBoard files, not two
+    assert not [f for f in os.listdir(out) if f.startswith(".")]
+    code, stdout, err = run_cli("verify", tmp_path / "model.keras", out / "tuned.keras")
+    assert code == 0, stdout + err
+
+
+DROPPED_INTERRUPT = """
+import signal, weakref
+from finefreeze._atomic import catch_interrupts, check_interrupt
+
+class Thing:
+    pass
+
+def callback(_):
+    signal.raise_signal(signal.SIGINT)  # the handler runs here, inside the callback
+    for _ in range(1000):
+        pass
+
+with catch_interrupts():
+    thing = Thing()
+    ref = weakref.ref(thing, callback)
+    del thing  # Python prints and drops a KeyboardInterrupt raised in a weakref callback
+    assert ref() is None
+    print("after the callback")
+    try:
+        check_interrupt()
+    except KeyboardInterrupt:
+        print("stopped")
+"""
+
+
+def test_an_interrupt_python_drops_in_a_callback_still_stops_the_command():
+    proc = subprocess.run(
+        [sys.executable, "-c", DROPPED_INTERRUPT], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["after the callback", "stopped"]
+    assert proc.stderr == ""  # no "Exception ignored in ... KeyboardInterrupt" traceback

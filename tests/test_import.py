@@ -1,0 +1,96 @@
+"""``import finefreeze`` is light, and files finefreeze writes load with it alone."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import finefreeze as ff
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def python(code: str, *, quiet_env: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if not quiet_env:
+        env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+        env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_import_finefreeze_imports_neither_tensorflow_nor_keras():
+    code = (
+        "import sys, json, finefreeze as ff\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras', 'jax', 'torch'))\n"
+        "print(json.dumps({'heavy': heavy, 'all': ff.__all__, 'dir': dir(ff)}))\n"
+    )
+    proc = python(code)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["heavy"] == []
+    assert set(got["all"]) <= set(got["dir"])
+
+
+def test_every_public_name_loads_on_use():
+    for name in ff.__all__:
+        assert getattr(ff, name) is not None
+    from finefreeze import Freezer, load_delta
+
+    assert Freezer is ff.Freezer and load_delta is ff.load_delta
+    assert ff.callbacks.FreezeBoard.__module__ == "finefreeze._board"
+    assert ff.layers.PositionEmbedding.__module__ == "finefreeze.layers"
+    try:
+        ff.no_such_name  # noqa: B018
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("ff.no_such_name did not raise AttributeError")
+
+
+def test_help_of_every_command_imports_no_tensorflow():
+    code = (
+        "import sys\n"
+        "from finefreeze._cli import main\n"
+        "for cmd in ([], ['finetune'], ['inspect'], ['verify'], ['delta'], ['delta', 'export'], ['delta', 'apply']):\n"
+        "    try:\n"
+        "        main([*cmd, '--help'])\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, (cmd, e.code)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = python(code, quiet_env=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
+    assert proc.stderr == ""
+
+
+def saved_model(path):
+    from finefreeze._example import DEFAULT_PLAN, build_text_model
+
+    m = build_text_model()
+    frz = ff.Freezer(m, ff.Plan.from_dict(DEFAULT_PLAN))
+    m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(1e-3)), loss="mse")
+    m.save(path)
+    return m
+
+
+@pytest.mark.slow
+def test_saved_files_load_with_import_finefreeze_alone(tmp_path):
+    m = saved_model(tmp_path / "t.keras")
+    np.save(tmp_path / "w.npy", m.get_layer("position_embedding").embeddings.numpy())
+    for order in ("import finefreeze\nimport keras", "import keras\nimport finefreeze"):
+        code = (
+            f"{order}\nimport numpy as np\n"
+            f"m = keras.models.load_model({str(tmp_path / 't.keras')!r})\n"
+            "pos = m.get_layer('position_embedding')\n"
+            f"assert np.array_equal(pos.embeddings.numpy(), np.load({str(tmp_path / 'w.npy')!r}))\n"
+            "print(type(pos).__module__, type(m.optimizer).__name__)\n"
+        )
+        proc = python(code)
+        assert proc.returncode == 0, (order, proc.stderr[-2000:])
+        assert proc.stdout.split() == ["finefreeze.layers", "FreezingOptimizer"], proc.stdout

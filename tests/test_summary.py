@@ -1,0 +1,46 @@
+"""The summary table: every column filled, readable width on real architectures, full text in the report."""
+
+import re
+
+import keras
+import pytest
+
+import finefreeze as ff
+from finefreeze._example import DEFAULT_PLAN, build_text_model
+
+
+def table_rows(text):
+    lines = text.splitlines()
+    rules = [i for i, line in enumerate(lines) if line and set(line) == {"─"}]
+    return lines[rules[1] + 1 : rules[2]]
+
+
+@pytest.mark.parametrize("variables", [True, False])
+def test_every_column_of_every_row_is_filled(variables):
+    frz = ff.Freezer(build_text_model(), ff.Plan.from_dict(DEFAULT_PLAN))
+    rows = table_rows(frz.summary(variables=variables))
+    assert len(rows) == (len(frz.report()["variables"]) if variables else 0) + len(frz.report()["layers"])
+    for row in rows:
+        cells = re.split(r"\s{2,}", row.strip())
+        assert len(cells) == 8, row
+    emb = next(r for r in rows if r.startswith("token_embedding"))
+    assert "1 variable" in emb and emb.endswith("  1, 2")
+
+
+@pytest.mark.slow
+def test_densenet_summary_stays_readable_and_the_report_keeps_everything():
+    model = keras.applications.DenseNet121(weights=None)
+    long_rule = ff.freeze("re:conv5_block16_2_conv/kernel", where=lambda v: abs(v) < 0.01)
+    plan = ff.Plan([ff.freeze("**"), ff.train("re:conv5_block1[0-6].*"), ff.train("**/predictions/**"), long_rule])
+    frz = ff.Freezer(model, plan)
+    rep = frz.report()
+    for variables in (True, False):
+        lines = frz.summary(variables=variables).splitlines()
+        assert max(map(len, lines)) <= 132, max(lines, key=len)
+        for row in table_rows("\n".join(lines)):
+            assert len(re.split(r"\s{2,}", row.strip())) == 8, row
+    text = frz.summary()
+    assert "…" in text
+    frozen_line = next(line for line in text.splitlines() if line.startswith("Frozen as layers"))
+    assert f"({len(rep['frozen_layers'])} layers; all in report()['frozen_layers'])" in frozen_line
+    assert len(rep["frozen_layers"]) > 100 and repr(long_rule) in rep["plan"]
