@@ -289,7 +289,12 @@ def test_gradual_unfreezing_resumes_under_backup_and_restore(tmp_path):
 
 
 # -- 10. compact and optimizers that look at the variable ----------------------------------
-def test_compact_honours_weight_decay_exclusions_by_identity():
+@pytest.mark.parametrize(
+    "exclusion, w_decays",
+    [("var_list", False), (["^w"], False), (["w"], False), (["compact"], True), (["_"], True), ([r"\."], True)],
+)
+def test_compact_decays_exactly_like_its_variable(exclusion, w_decays):
+    """Exclusions by identity or name pattern: the compact vector follows its model variable, never its own name."""
     out = {}
     for strategy in ("restore", "compact"):
         w = keras.Variable(np.ones((10, 10), "float32"), name="w")
@@ -297,12 +302,16 @@ def test_compact_honours_weight_decay_exclusions_by_identity():
         inner = keras.optimizers.AdamW(0.1, weight_decay=0.5)
         frz = ff.Freezer([w, u], ff.Plan([ff.freeze("w"), ff.train("w[0, :2]")]), strategy=strategy)
         opt = frz.wrap(inner)
-        opt.exclude_from_weight_decay(var_list=[w])  # on the wrapper: goes to the inner optimizer
+        if exclusion == "var_list":
+            opt.exclude_from_weight_decay(var_list=[w])  # on the wrapper: goes to the inner optimizer
+        else:
+            inner.exclude_from_weight_decay(var_names=exclusion)
         for _ in range(3):
             opt.apply_gradients([(tf.zeros((10, 10)), w), (tf.ones((3,)), u)])
         assert frz.strategy_for("w") == strategy
         out[strategy] = (w.numpy().copy(), u.numpy().copy())
-    assert np.array_equal(out["compact"][0], np.ones((10, 10), "float32"))  # excluded: no decay at all
+    untouched = np.array_equal(out["compact"][0], np.ones((10, 10), "float32"))
+    assert untouched != w_decays  # a zero gradient: only weight decay can move w
     assert np.array_equal(out["restore"][0], out["compact"][0])
     assert np.array_equal(out["restore"][1], out["compact"][1])
 
@@ -366,3 +375,98 @@ def test_float16_moments_nan_from_zero_gradients_stays_out(strategy):
     assert np.array_equal(w.numpy()[1:], np.ones((49, 4), "float16"))  # frozen: bit-identical, no NaN
     assert np.isfinite(w.numpy()[0]).all() and (w.numpy()[0] < 1).all()
     frz.verify()
+
+
+# -- found by trying it as a stranger ---------------------------------------------------------
+def test_auto_keeps_the_sparse_path_of_embeddings():
+    """Embedding gradients arrive sparse on TensorFlow; auto keeps Keras' sparse update (restore)."""
+    vocab = 60
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, (32, 3))
+    x[:, 0] = rng.integers(57, vocab, 32)
+    y = rng.normal(size=(32, 2)).astype("float32")
+
+    def run(strategy):
+        keras.utils.set_random_seed(0)
+        i = keras.Input((3,), dtype="int32")
+        e = keras.layers.Embedding(vocab, 4, name="emb")(i)
+        m = keras.Model(i, keras.layers.Dense(2, name="head")(keras.layers.Flatten()(e)))
+        frz = ff.Freezer(m, ff.Plan([ff.freeze(f"emb/embeddings[:{vocab - 2}]")]))  # 3 % trains
+        m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01), strategy=strategy), loss="mse")
+        m.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        return frz.strategy_for("emb/embeddings"), m.get_layer("emb").embeddings.numpy()
+
+    (auto_kind, auto), (_, restore) = run("auto"), run("restore")
+    assert auto_kind == "restore"
+    assert np.array_equal(auto, restore)
+
+
+@pytest.mark.parametrize("make", [lambda: keras.optimizers.Adagrad(0.1), lambda: keras.optimizers.Ftrl(0.1)])
+def test_released_elements_start_from_the_initial_accumulator(make):
+    """Fresh state is what Keras gives at build: Adagrad's and Ftrl's accumulators start at 0.1, not 0."""
+    w = keras.Variable(np.ones((3, 2), "float32"), name="w")
+    frz = ff.Freezer([w], ff.Plan([ff.freeze("w[0]")]))
+    opt = frz.wrap(make())
+    opt.apply_gradients([(tf.ones((3, 2)), w)])
+    frz.update(ff.Plan())  # release row 0
+    acc = {v.name: v.numpy() for v in opt.inner_optimizer.variables}["w_accumulator"]
+    fresh = make()
+    fresh.build([keras.Variable(np.ones((3, 2), "float32"))])
+    start = {v.name.split("_")[-1]: v.numpy() for v in fresh.variables}["accumulator"]
+    assert np.array_equal(acc[0], start[0])  # released row: as at build
+    assert not np.array_equal(acc[1], start[1])  # trained rows: kept
+
+
+def test_adafactor_accepts_a_matrix_frozen_whole_inside_a_3d_kernel():
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((6, 3)), keras.layers.Conv1D(5, 3, name="c")], name="cm")
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/c/kernel[0]")]))  # tap 0 of (3, 3, 5) frozen whole
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adafactor(0.01)), loss="mse")
+    rng = np.random.default_rng(0)
+    m.fit(rng.normal(size=(4, 6, 3)), rng.normal(size=(4, 4, 5)), verbose=0, epochs=3)
+    assert all(np.isfinite(v.numpy()).all() for v in m.weights)
+    frz.verify()
+    with pytest.raises(ff.PlanError, match="Adafactor would turn training into NaN"):  # row + column of tap 1
+        ff.Freezer(m, ff.Plan([ff.freeze("**/c/kernel[1]"), ff.train("**/c/kernel[1, 0, 0]")])).wrap(
+            keras.optimizers.Adafactor(0.01)
+        )
+
+
+def test_the_compiled_optimizer_is_what_the_summary_shows():
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((50,)), keras.layers.Dense(40, name="d1"), keras.layers.Dense(3)], name="m")
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/d1/kernel"), ff.train("**/d1/kernel[0, :20]")]))
+    opt = frz.wrap(keras.optimizers.Adam(1e-3), strategy="compact")
+    spare = frz.wrap(keras.optimizers.SGD(1e-3), strategy="restore")  # made later, never compiled
+    m.compile(optimizer=opt, loss="mse")
+    m.fit(np.random.rand(8, 50), np.random.rand(8, 3), verbose=0)
+    assert frz.strategy_for("m/d1/kernel") == "compact" == opt.layout.by_path("m/d1/kernel").kind
+    assert spare.layout.by_path("m/d1/kernel").kind == "restore"
+
+
+def test_gradient_norms_are_none_unless_recorded():
+    w = keras.Variable(np.ones((3,), "float32"), name="w")
+    opt = ff.Freezer([w], ff.Plan([ff.freeze("w[0]")])).wrap(keras.optimizers.SGD(0.1))
+    opt.apply_gradients([(tf.ones((3,)), w)])
+    assert opt.gradient_norms() is None
+
+
+def test_wrapper_messages_name_the_real_fix():
+    w = keras.Variable(np.ones((3,), "float32"), name="w")
+    frz = ff.Freezer([w], ff.Plan([ff.freeze("w[0]")]))
+    with pytest.raises(TypeError, match=r"keras\.optimizers\.SGD\(\.\.\., clipnorm=\.\.\.\)"):
+        ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan(), clipnorm=1.0)
+    with pytest.raises(TypeError, match="unknown argument"):
+        ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan(), bogus=1)
+    with pytest.raises(TypeError, match="cannot wrap another FreezingOptimizer"):
+        frz.wrap(frz.wrap(keras.optimizers.Adam()))
+
+
+def test_a_loaded_freezer_history_starts_at_the_saved_step(tmp_path):
+    model = two_layers()
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("a/**")]))
+    model.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+    fit(model)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert ff.Freezer.of(loaded).history[0]["step"] == 4

@@ -138,13 +138,21 @@ class Freezer:
 
     @property
     def layout(self) -> Layout:
-        """The per-variable layout in force: the one of the optimizer this Freezer wrapped last.
+        """The per-variable layout in force.
 
-        Before any ``wrap`` it is the layout ``wrap`` would make for an
-        elementwise optimizer (Adam, SGD, ...).
+        The layout of the optimizer compiled into the model, else of the
+        optimizer this Freezer wrapped last. Before any ``wrap`` it is the
+        layout ``wrap`` would make for an elementwise optimizer (Adam, SGD,
+        ...); Lamb, Adafactor, Muon and the like get ``restore`` where this
+        shows ``compact``.
         """
-        opts = self._optimizers()
-        if opts and opts[-1].layout is not None:
+        from finefreeze._optimizer import find_freezing_optimizer
+
+        compiled = find_freezing_optimizer(self._target.obj)
+        if compiled is not None and compiled.freezer is self and compiled.layout is not None:
+            return compiled.layout  # the one that trains the model
+        opts = [o for o in self._optimizers() if o.layout is not None]
+        if opts:
             return opts[-1].layout
         return Layout.from_resolution(self._res, self._strategy, None)
 

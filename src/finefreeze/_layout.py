@@ -12,7 +12,10 @@ else decides a strategy, so what is shown is what is enforced.
 elements. That changes nothing only for optimizers whose update is
 elementwise (each element's step depends on its own gradient and state), so
 ``auto`` picks ``compact`` only for those, and an explicit ``compact`` with
-any other optimizer is refused: ``auto`` changes cost, never maths.
+any other optimizer is refused: ``auto`` changes cost, never maths. For the
+same reason ``auto`` keeps ``restore`` for embeddings on TensorFlow, whose
+sparse gradients Keras optimizers apply on a sparse path (an explicit
+``compact`` densifies them).
 """
 
 from __future__ import annotations
@@ -132,11 +135,23 @@ class VarLayout:
         return entry
 
 
-def _kind(strategy: str, n_trainable: int, size: int, variable, inner) -> str:
+def _sparse_gradients(owner) -> bool:
+    """Whether the variable's gradient arrives sparse (TensorFlow embeddings: ``IndexedSlices``).
+
+    Keras optimizers update such variables on their sparse path (only the
+    touched rows' state moves); ``compact`` would hand them a dense vector.
+    """
+    import keras
+
+    return keras.backend.backend() == "tensorflow" and isinstance(owner, keras.layers.Embedding)
+
+
+def _kind(strategy: str, n_trainable: int, size: int, variable, inner, sparse: bool = False) -> str:
     """The concrete strategy of one partially frozen variable."""
     if strategy == "auto":
         small = n_trainable <= AUTO_COMPACT_AT_MOST * size
-        return "compact" if small and compact_refusal(inner) is None and not _constrained(variable) else "restore"
+        allowed = compact_refusal(inner) is None and not _constrained(variable) and not sparse
+        return "compact" if small and allowed else "restore"
     if strategy == "compact" and _constrained(variable):
         return "restore"  # a constraint acts on the whole variable
     return strategy
@@ -216,7 +231,7 @@ class Layout:
             elif kind == TRAINABLE:
                 entry = VarLayout(s.path, shape, "train", None, s.info.size, scale)
             else:
-                k = _kind(strategy, s.n_trainable, s.info.size, s.variable, inner)
+                k = _kind(strategy, s.n_trainable, s.info.size, s.variable, inner, _sparse_gradients(s.info.owner))
                 entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale)
             pairs.append((s.variable, entry))
             if s.info.raw is not s.variable:

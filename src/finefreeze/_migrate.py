@@ -7,9 +7,10 @@ which variable it is built on (by identity, never by name), so a plan change
 can:
 
 - keep the state of every element that trains before and after it;
-- give elements that start training fresh state: zero moments, and an EMA
-  average (or ScheduleFreeAdamW's ``z`` copy) equal to the element's value —
-  what Keras itself starts from at step 0;
+- give elements that start training fresh state: what Keras itself gives at
+  build — zero moments, Adagrad's and Ftrl's ``initial_accumulator_value``,
+  and an EMA average (or ScheduleFreeAdamW's ``z`` copy) equal to the
+  element's value;
 - release the state of what stops training (it is not rebuilt);
 - keep global state (``iterations``, the learning rate or its schedule, and
   anything built for no variable in particular, such as Nadam's
@@ -25,6 +26,7 @@ import dataclasses
 import re
 from typing import Any
 
+import keras
 import numpy as np
 
 from finefreeze._backend import to_numpy
@@ -85,7 +87,7 @@ def retrack(opt, variables) -> None:
 class StateMap:
     """Which inner-optimizer variables hold state of which variable it is built on."""
 
-    per_element: dict[int, list[tuple[str, Any, Any]]]  # id(var) -> [(name, state, owner optimizer)]
+    per_element: dict[int, list[tuple[str, Any, Any]]]  # id(var) -> [(name, state, (owner optimizer, initializer))]
     per_variable: dict[int, list[tuple[str, Any]]]  # id(var) -> [(key, state)] of other shapes (Adafactor r, c)
     other: list[Any]  # built for no variable in particular (Nadam's u_product)
 
@@ -120,7 +122,7 @@ def build_recording(opt, var_list: list) -> StateMap:
                 made.remove(m)
                 per_variable.setdefault(id(ref), []).append((f"{m.name}#{k}", m))
             for g in got:
-                per_element.setdefault(id(ref), []).append((name or "var", g, o))
+                per_element.setdefault(id(ref), []).append((name or "var", g, (o, initializer)))
             return w
 
         vars(o)["add_variable"] = recording_add_variable
@@ -141,9 +143,18 @@ def build_recording(opt, var_list: list) -> StateMap:
     return StateMap(per_element, per_variable, other)
 
 
-def _starts_as_value(name: str, owner) -> bool:
-    """State that Keras starts as a copy of the variable rather than zeros."""
-    return name == "average" or (name == "momentum" and type(owner).__name__ == "ScheduleFreeAdamW")
+def _fresh(name: str, made_by, values: np.ndarray, dtype) -> np.ndarray:
+    """The state Keras gives an element at build: a copy of its value, or what the initializer says.
+
+    EMA averages (``average``) and ScheduleFreeAdamW's ``momentum`` start as the
+    variable; Adagrad's and Ftrl's accumulators at ``initial_accumulator_value``;
+    most state at zero.
+    """
+    owner, initializer = made_by
+    if name == "average" or (name == "momentum" and type(owner).__name__ == "ScheduleFreeAdamW"):
+        return values.astype(dtype)
+    init = keras.initializers.get(initializer)
+    return np.asarray(keras.ops.convert_to_numpy(init((values.size,), dtype=str(dtype)))).astype(dtype)
 
 
 @dataclasses.dataclass
@@ -179,9 +190,9 @@ def carry(state: StateMap, inner_variable, elements: np.ndarray, values: np.ndar
         kept = old_idx[pos] == elements
     else:
         pos, kept = np.zeros(elements.size, np.int64), np.zeros(elements.size, bool)
-    for name, w, owner in state.per_element.get(id(inner_variable), []):
+    for name, w, made_by in state.per_element.get(id(inner_variable), []):
         dtype = np.dtype(w.dtype)
-        fresh = values.astype(dtype) if _starts_as_value(name, owner) else np.zeros(elements.size, dtype)
+        fresh = _fresh(name, made_by, values, dtype)
         out = (
             np.where(kept, held.per_element[name][pos], fresh)
             if held is not None and name in held.per_element

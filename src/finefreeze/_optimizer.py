@@ -51,10 +51,11 @@ def zero_gradient_hazards(inner, layout: Layout) -> list[str]:
     """Partially frozen variables whose exactly-zero gradients the inner optimizer turns into NaN.
 
     Keras' Adafactor estimates an element's second moment as the product of
-    its row's and its column's (last two axes). An element whose row and
-    column both hold only frozen elements gets two moments that underflow,
-    their product is 0, its update 0/0, and the update clipping spreads the
-    NaN over the whole variable (in plain Keras too, with such gradients).
+    its row's (normalised by the mean row) and its column's, over the last
+    two axes. An element whose row and column both hold only frozen elements,
+    in a matrix that is not frozen whole, gets a product that underflows to
+    0, its update is 0/0, and the update clipping spreads the NaN over the
+    whole variable (in plain Keras too, with such gradients).
     """
     out = []
     for o in _migrate.family(inner):
@@ -65,7 +66,9 @@ def zero_gradient_hazards(inner, layout: Layout) -> list[str]:
                 continue
             frozen = e.mask.dense()
             rows, cols = frozen.all(axis=-1), frozen.all(axis=-2)  # (..., R) and (..., C)
-            if (rows[..., :, None] & cols[..., None, :]).any():
+            # a slice of the leading axes frozen whole is harmless: its row moments normalise to 1
+            whole = frozen.all(axis=(-2, -1))[..., None, None]
+            if (rows[..., :, None] & cols[..., None, :] & ~whole).any():
                 out.append(f"{e.path!r} (shape {e.shape})")
     return out
 
@@ -137,12 +140,29 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         layout = kwargs.pop("_layout", None)
         saved_layout = kwargs.pop("_saved_layout", None)
         if kwargs:
+            import inspect
+
+            from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+            settings = set(inspect.signature(BaseOptimizer.__init__).parameters)
+            unknown = sorted(k for k in kwargs if k not in settings)
+            if unknown:
+                raise TypeError(
+                    f"FreezingOptimizer got unknown argument(s) {', '.join(unknown)}; it takes "
+                    "(inner_optimizer, plan=None, *, strategy='auto', name=None)."
+                )
             names = ", ".join(sorted(kwargs))
             example = ", ".join(f"{k}=..." for k in sorted(kwargs))
+            cls = type(inner_optimizer).__name__ if isinstance(inner_optimizer, keras.optimizers.Optimizer) else "Adam"
             raise TypeError(
                 f"FreezingOptimizer takes no optimizer settings (got {names}); they belong to the inner "
-                f"optimizer: ff.FreezingOptimizer(keras.optimizers.Adam(..., {example}), plan) or "
-                f"frz.wrap(keras.optimizers.Adam(..., {example}))."
+                f"optimizer: ff.FreezingOptimizer(keras.optimizers.{cls}(..., {example}), plan) or "
+                f"frz.wrap(keras.optimizers.{cls}(..., {example}))."
+            )
+        if isinstance(inner_optimizer, FreezingOptimizer):
+            raise TypeError(
+                "FreezingOptimizer cannot wrap another FreezingOptimizer: one plan per optimizer. "
+                "Put every rule in one plan, or wrap the plain optimizer."
             )
         if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
             raise TypeError(
@@ -178,6 +198,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._freezer_ref = None
         self._freezer_strong = None
         self.track_gradient_norms = False
+        self._norms_recorded = False
 
     # -- delegation ----------------------------------------------------------
     @property
@@ -238,7 +259,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         Returns:
             The two norms, or None before the first tracked step.
         """
-        if not self._enforcers.norms:
+        if not self._enforcers.norms or not self._norms_recorded:
             return None
         return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in self._enforcers.norms)
 
@@ -278,10 +299,10 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def _install(self, layout: Layout, var_list, held: dict) -> None:
         """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state."""
         enforcers = self._make_enforcers(layout, var_list)
-        self._exclude_compact_from_decay(enforcers)
         # outside the no-tracking scope: the inner optimizer tracks what it makes
         # (Nadam's u_product is an attribute, not an add_variable)
         enforcers.state = _migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
+        self._decay_compact_like_its_variable(enforcers)
         self._enforcers = enforcers
         if held:  # a plan change; a first build starts as Keras does
             for e in enforcers.ordered:
@@ -346,14 +367,22 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             )
         return enf
 
-    def _exclude_compact_from_decay(self, enforcers: _Enforcers) -> None:
-        """A compact vector decays exactly when its model variable would (exclusions match by identity)."""
+    def _decay_compact_like_its_variable(self, enforcers: _Enforcers) -> None:
+        """A compact vector gets weight decay exactly when its model variable would.
+
+        Keras decides per variable (``_use_weight_decay``: excluded ids, then
+        name patterns) and caches the answer by variable key; the vector's
+        entry is set to the model variable's answer, so neither an anchored
+        pattern (``"^kernel$"``) nor one that happens to match the vector's
+        own name changes the maths.
+        """
+        # what Keras hands _use_weight_decay: the tf.Variable (named "kernel:0") on TensorFlow
+        seen = (lambda v: v.value) if tensorflow() is not None else (lambda v: v)
         for o in _migrate.family(self.inner_optimizer):
             for e in enforcers.ordered:
-                if e.kind == "compact" and not o._use_weight_decay(e.variable):
-                    excluded = getattr(o, "_exclude_from_weight_decay", None) or set()
-                    o._exclude_from_weight_decay = excluded | {o._var_key(e.shadow)}
-                    o._exclude_from_weight_decay_cache = {}
+                if e.kind == "compact":
+                    o._use_weight_decay(seen(e.shadow))  # makes the cache exist
+                    o._exclude_from_weight_decay_cache[o._var_key(e.shadow)] = o._use_weight_decay(seen(e.variable))
 
     def _carry(self, e: Enforcer, held) -> None:
         """Fresh state for elements that start training, ``held`` state for those that keep training."""
@@ -393,10 +422,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         if hazards:
             raise PlanError(
                 f"Adafactor would turn training into NaN with {', '.join(hazards)}: these variables have a row "
-                "and a column whose elements are all frozen; Keras' Adafactor factors second moments over "
-                "rows and columns, the moments of such an element underflow to 0 and its update is 0/0 "
-                "(plain Keras does the same with such gradients). Freeze those variables whole, train at "
-                "least one element in every row or column, or use another optimizer (Adam, AdamW, Lion)."
+                "and a column (over their last two axes) whose elements are all frozen, in a matrix that is not "
+                "frozen whole; Keras' Adafactor factors second moments over rows and columns, the moment of "
+                "such an element underflows to 0 and its update is 0/0 (plain Keras does the same with such "
+                "gradients). Freeze those variables (or those matrices) whole, train at least one element in "
+                "every row or column, or use another optimizer (Adam, AdamW, Lion)."
             )
 
     # -- changing the plan -------------------------------------------------------
@@ -529,8 +559,10 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             e = enf.by_id.get(id(v))
             if e is None:
                 raise PlanError(
-                    f"FreezingOptimizer got a gradient for {var_path(v)!r}, a variable its plan was not "
-                    "resolved against. Create the Freezer after the model is built, on the model you train."
+                    f"FreezingOptimizer got a gradient for {var_path(v)!r}, a variable it was not built on "
+                    "(its plan was resolved against another model, or the model gained variables since). "
+                    "Compile each model with an optimizer from its own Freezer, created after the model "
+                    "is built: ff.Freezer(model, plan).wrap(...)."
                 )
             if g is None and not all_steps:
                 continue
@@ -560,6 +592,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     def _record_norms(self, raw):
         """Norms of the raw gradient on trainable and on frozen elements."""
+        self._norms_recorded = True
         tn, fn = ops.zeros(()), ops.zeros(())
         for e, g in raw:
             if g is None:

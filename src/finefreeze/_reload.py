@@ -114,4 +114,5 @@ def rebuild_freezer(cls, model, opt):
         plan = opt.plan if ok else masks_plan(opt)
     frz = cls(model, plan, strategy=opt.strategy)
     opt._resolution = frz.resolution
+    frz._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan has been in force since before the save
     return frz
