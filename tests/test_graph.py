@@ -285,7 +285,8 @@ def test_var_list_summary_masks_plot_and_where_through_a_session(tmp_path):
     assert frz.variable_state("head/w") == "frozen" and frz.strategy_for("enc/w") == "restore"
     text = frz.summary()
     assert "enc/w" in text and "partial" in text and "counter" not in text  # only TRAINABLE_VARIABLES
-    assert "graph state; 1: freeze('enc/w', where=<lambda>)" in text and "Keras" not in text
+    assert "1: freeze('enc/w', where=<lambda>)" in text  # the numbered plan
+    assert "graph, 1" in text and "keras" not in text.lower()  # decided by: the graph's state, then rule 1
     totals = frz.report()["totals"]
     assert totals["frozen_elements"] == int((W0 > 0).sum()) + 3
     assert totals["trainable_elements"] == int((W0 <= 0).sum())

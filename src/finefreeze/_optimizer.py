@@ -354,7 +354,12 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         elif e.kind in ("restore", "mask"):
             dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
             enf.mask = self.add_variable(
-                shape=e.shape, dtype="bool", name=f"{safe}.frozen_mask", initializer=_const(dense), aggregation="none"
+                shape=e.shape,
+                dtype="bool",
+                name=f"{safe}.frozen_mask",
+                initializer=_const(dense),
+                aggregation="none",
+                layout=getattr(v, "_layout", None),  # sharded like the variable (keras.distribution)
             )
         scale = _scale_value(e, enf)
         if scale is not None:
@@ -377,7 +382,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         own name changes the maths.
         """
         # what Keras hands _use_weight_decay: the tf.Variable (named "kernel:0") on TensorFlow
-        seen = (lambda v: v.value) if tensorflow() is not None else (lambda v: v)
+        tf = tensorflow() is not None
+        seen = lambda v: v.value if tf and isinstance(v, keras.Variable) else v  # noqa: E731
         for o in _migrate.family(self.inner_optimizer):
             for e in enforcers.ordered:
                 if e.kind == "compact":

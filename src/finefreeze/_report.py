@@ -130,11 +130,15 @@ def _unique(items) -> list:
 
 
 def _rule_numbers(deciders) -> str:
-    """``"1, 3"`` for the rules (numbered as in the plan legend) that decided some elements; ``keras`` for none."""
+    """``"1, 3"`` for the rules (numbered as in the plan legend) that decided some elements.
+
+    Elements no rule selects are named by their owner's state: ``keras`` (or
+    ``graph`` for a ``tf.compat.v1`` graph's ``graph state``).
+    """
     out = []
     for d in deciders:
         number, sep, _ = d["rule"].partition(": ")
-        out.append(number if sep and number.isdigit() else "keras")
+        out.append(number if sep and number.isdigit() else d["rule"].removesuffix(" state"))
     return ", ".join(_unique(out))
 
 

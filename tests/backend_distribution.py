@@ -1,0 +1,67 @@
+"""Keras' JAX distribution API: DataParallel and ModelParallel with a partially frozen kernel.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 KERAS_BACKEND=jax python tests/backend_distribution.py
+
+Run by tests/test_backends.py. Prints one line per check and ends with ``OK``.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import finefreeze as ff  # noqa: E402
+
+PLAN = ff.Plan([ff.freeze("**/backbone/kernel[:, :8]"), ff.freeze("**/backbone/kernel[0]")])
+X = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+Y = np.random.default_rng(1).normal(size=(64, 2)).astype("float32")
+
+
+def train(strategy):
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, name="backbone"), keras.layers.Dense(2, name="head")], name="m"
+    )
+    before = np.array(keras.ops.convert_to_numpy(m.get_layer("backbone").kernel), copy=True)
+    frz = ff.Freezer(m, PLAN, strategy=strategy)
+    m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(1e-2, weight_decay=0.1)), loss="mse")
+    m.fit(X, Y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    frz.verify()
+    after = np.asarray(keras.ops.convert_to_numpy(m.get_layer("backbone").kernel))
+    frozen = frz.frozen_mask("m/backbone/kernel")
+    assert np.array_equal(after[frozen], before[frozen]), "frozen elements moved"
+    return m, after
+
+
+def main() -> None:
+    devices = keras.distribution.list_devices("cpu")
+    assert len(devices) == 2, devices
+    for strategy in ("restore", "compact"):
+        keras.distribution.set_distribution(None)
+        _, single = train(strategy)
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+        _, data_parallel = train(strategy)
+        np.testing.assert_allclose(data_parallel, single, rtol=1e-5, atol=1e-6)
+        print(f"DataParallel over 2 devices, {strategy}: frozen exact, trained as on one device")
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts[".*backbone.*kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch"))
+    m, sharded = train("restore")
+    kernel = m.get_layer("backbone").kernel
+    mask = next(v for v in m.optimizer.variables if v.path.endswith("backbone.kernel.frozen_mask"))
+    assert tuple(kernel.value.sharding.spec) == (None, "model"), kernel.value.sharding
+    assert mask.value.sharding.spec == kernel.value.sharding.spec, mask.value.sharding
+    np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-6)
+    print("ModelParallel: the kernel and its frozen mask sharded alike; frozen exact")
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
