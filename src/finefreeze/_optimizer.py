@@ -294,7 +294,9 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._warn(layout)
         self._layout = layout
         self._install(self._layout, var_list, {})
-        super().build(var_list)
+        # built on what it updates: a loaded model's optimizer is built on every variable and
+        # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
+        super().build([v for v in var_list if id(v) not in self._enforcers.frozen_ids])
 
     def _install(self, layout: Layout, var_list, held: dict) -> None:
         """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state."""
