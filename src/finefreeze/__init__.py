@@ -19,6 +19,7 @@ from finefreeze._plan import Plan as Plan
 from finefreeze._rules import Rule as Rule
 from finefreeze._rules import freeze as freeze
 from finefreeze._rules import train as train
+from finefreeze._select import select as select
 from finefreeze._version import __version__ as __version__
 
 __all__ = [
@@ -35,5 +36,6 @@ __all__ = [
     "callbacks",
     "freeze",
     "load_delta",
+    "select",
     "train",
 ]
