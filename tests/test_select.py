@@ -1,5 +1,7 @@
 """ff.select: each score's chosen set is the top-k of an independently computed score."""
 
+import json
+
 import keras
 import numpy as np
 import pytest
@@ -66,13 +68,27 @@ def same(a, b):
         assert np.array_equal(a[p], b[p]), p
 
 
+@pytest.mark.parametrize("per_example", ["vectorized", "loop"])
 @pytest.mark.parametrize("per_microbatch", [1, 7, 64])
-def test_fisher_is_top_k_of_summed_squared_per_example_gradients(per_microbatch):
+def test_fisher_is_top_k_of_summed_squared_per_example_gradients(per_microbatch, per_example):
     m = mlp()
     x, y = data()
     ref = reference_top_k(m, per_example_fisher(m, x, y), 17)
-    plan = ff.select(m, (x, y), budget=17, score="fisher", loss=LOSS, microbatch=per_microbatch, verbose=0)
+    plan = ff.select(
+        m, (x, y), budget=17, score="fisher", loss=LOSS, microbatch=per_microbatch, per_example=per_example, verbose=0
+    )
     same(chosen(m, plan), ref)
+
+
+def test_fisher_on_attention_takes_examples_in_a_loop_and_matches_the_reference():
+    tokens = keras.Input((6, 4))
+    h = keras.layers.MultiHeadAttention(2, 3, name="attention")(tokens, tokens)
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    m = keras.Model(tokens, out, name="attn")
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(12, 6, 4)).astype("float32"), rng.integers(0, 4, 12).astype("int32")
+    ref = reference_top_k(m, per_example_fisher(m, x, y), 25)
+    same(chosen(m, ff.select(m, (x, y), budget=25, score="fisher", loss=LOSS, verbose=0)), ref)
 
 
 def test_gradient_is_top_k_of_summed_absolute_batch_gradients_from_a_dataset():
@@ -236,6 +252,7 @@ def test_the_plan_is_ordinary_summary_verify_delta_and_compact(tmp_path):
         ({"budget": 3, "score": "random", "exclude": "**"}, "no element is left"),
         ({"budget": 3, "score": "fisher"}, "needs data"),
         ({"budget": 3, "microbatch": 0}, "microbatch"),
+        ({"budget": 3, "score": "random", "per_example": "pfor"}, "per_example"),
     ],
 )
 def test_bad_input_is_a_plan_error_and_changes_nothing(kwargs, match):
@@ -287,3 +304,17 @@ def test_scores_stream_one_accumulator_per_element_whatever_the_number_of_batche
     # and nothing that grows with the number of batches (12 batches kept would be 12 copies)
     assert peaks[12] < peaks[2] + 1  # (scheduling moves the peak by up to ~0.6 copy between runs)
     assert 1 <= peaks[2] < 4 + 2
+
+
+@pytest.mark.slow
+def test_cli_finetune_select_writes_and_uses_the_selected_plan(tmp_path, capsys):
+    from finefreeze._cli import main
+
+    out = tmp_path / "out"
+    assert main(["finetune", "--select", "fisher", "--budget", "300", "--epochs", "1", "--out", str(out), "-q"]) == 0
+    plan = ff.Plan.load(out / "selected-plan.json")
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["trainable_elements"] == 300
+    assert repr(plan.rules[0]) == "freeze('**')"
+    assert main(["finetune", "--select", "fisher", "--budget", "lots", "--out", str(tmp_path / "o2")]) == 2
+    assert "--budget 'lots'" in capsys.readouterr().err

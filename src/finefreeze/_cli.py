@@ -31,10 +31,17 @@ def _bundled_model():
 def cmd_finetune(args) -> int:
     from finefreeze._finetune import finetune
 
+    plan = args.plan
+    if args.select is not None:  # choose the plan from the training data first
+        if args.plan is not None:
+            raise UserError("--select and --plan exclude each other: --select writes the plan")
+        from finefreeze._selectfile import select_to_file
+
+        plan = select_to_file(args.model, args.data, score=args.select, budget=args.budget, out=args.out)
     result = finetune(
         args.model,
         data=args.data,
-        plan=args.plan,
+        plan=plan,
         optimizer=args.optimizer,
         lr=args.lr,
         epochs=args.epochs,
@@ -144,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
+    ft.add_argument(
+        "--select",
+        choices=["fisher", "gradient", "magnitude", "delta", "random"],
+        help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
+    )
+    ft.add_argument(
+        "--budget", default="0.01", help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
+    )
 
     ins = _command(
         sub,

@@ -4,7 +4,10 @@ Every score keeps at most one float32 accumulator per scored element (a
 ``tf.Variable`` of the variable's shape) and adds each batch into it; no
 batch's scores are kept. Per-example gradients (``fisher``) come from
 ``tf.vectorized_map`` over microbatches, so a microbatch of ``m`` examples
-holds ``m`` gradients for a moment.
+holds ``m`` gradients for a moment. TensorFlow 2.21 aborts the process
+(heap corruption) when it vectorises the gradient of Keras'
+``MultiHeadAttention``; models with one take the examples one after the
+other in a ``tf.map_fn`` loop instead (``per_example="loop"``).
 """
 
 from __future__ import annotations
@@ -118,7 +121,38 @@ def static_score(name: str, value: np.ndarray, *, largest: bool, rng: np.random.
     return rng.random(value.shape, dtype=np.float32)
 
 
-def stream_scores(model, variables, data, *, score, loss, batch_size, limit, microbatch, epochs, optimizer, verbose):
+def per_example_mode(model, mode: str) -> str:
+    """``"vectorized"`` or ``"loop"``: ``"auto"`` loops for models that ``vectorized_map`` crashes on.
+
+    Raises:
+        PlanError: an unknown mode.
+    """
+    if mode not in ("auto", "vectorized", "loop"):
+        raise PlanError(f"select: per_example={mode!r}; choose 'auto', 'vectorized' or 'loop'.")
+    if mode != "auto":
+        return mode
+    layers = model._flatten_layers(include_self=True) if isinstance(model, keras.Layer) else []
+    return "loop" if any(isinstance(x, _NO_PFOR) for x in layers) else "vectorized"
+
+
+_NO_PFOR = (keras.layers.MultiHeadAttention,)
+
+
+def stream_scores(
+    model,
+    variables,
+    data,
+    *,
+    score,
+    loss,
+    batch_size,
+    limit,
+    microbatch,
+    epochs,
+    optimizer,
+    verbose,
+    per_example="auto",
+):
     """Accumulate a data score per element of ``variables``; return numpy arrays, one per variable.
 
     ``fisher``: sum over examples of the squared per-example gradient.
@@ -130,6 +164,7 @@ def stream_scores(model, variables, data, *, score, loss, batch_size, limit, mic
     watched = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     if score == "delta":
         return _delta(model, variables, watched, data, loss_fn, batch_size, limit, epochs, optimizer, verbose)
+    mode = per_example_mode(model, per_example)
     accs = [tf.Variable(tf.zeros(v.shape, tf.float32), trainable=False) for v in variables]
 
     def grads(x, y):
@@ -137,8 +172,8 @@ def stream_scores(model, variables, data, *, score, loss, batch_size, limit, mic
             tape.watch(watched)
             out = loss_fn(y, model(x, training=False))
         return [
-            tf.zeros(w.shape, tf.float32) if g is None else tf.cast(g, tf.float32)
-            for g, w in zip(tape.gradient(out, watched), watched)
+            tf.zeros(w.shape, tf.float32) if g is None else tf.cast(tf.convert_to_tensor(g), tf.float32)
+            for g, w in zip(tape.gradient(out, watched), watched)  # embeddings: IndexedSlices made dense
         ]
 
     @tf.function(reduce_retracing=True)
@@ -152,7 +187,12 @@ def stream_scores(model, variables, data, *, score, loss, batch_size, limit, mic
             xi, yi = xy
             return [tf.square(g) for g in grads(tf.nest.map_structure(lambda t: t[None], xi), yi[None])]
 
-        for a, sq in zip(accs, tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)):
+        if mode == "loop":
+            spec = [tf.TensorSpec(w.shape, tf.float32) for w in watched]
+            squares = tf.map_fn(one, (x, y), fn_output_signature=spec)
+        else:
+            squares = tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)
+        for a, sq in zip(accs, squares):
             a.assign_add(tf.reduce_sum(sq, axis=0))
 
     it, total = batches(data, batch_size=batch_size, limit=limit)

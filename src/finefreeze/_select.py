@@ -111,6 +111,7 @@ def select(
     batch_size: int = 32,
     batches: int | None = None,
     microbatch: int = 16,
+    per_example: str = "auto",
     epochs: int = 1,
     optimizer: keras.optimizers.Optimizer | None = None,
     seed: int = 0,
@@ -150,6 +151,11 @@ def select(
         batch_size: batch size when ``data`` is arrays.
         batches: use at most this many batches (per epoch for ``delta``).
         microbatch: examples per vectorised per-example gradient (``fisher``).
+        per_example: how ``fisher`` takes per-example gradients:
+            ``"vectorized"`` (``tf.vectorized_map``), ``"loop"`` (``tf.map_fn``,
+            slower), or ``"auto"``: the loop for models with a
+            ``MultiHeadAttention`` layer, whose vectorised gradient crashes
+            TensorFlow 2.21.
         epochs: passes over the data for ``delta``.
         optimizer: a fresh Keras optimizer for ``delta`` (default ``Adam(1e-3)``).
         seed: seed of ``random``.
@@ -178,6 +184,8 @@ def select(
             raise PlanError(f"select: {name} must be an int >= 1; got {v!r}.")
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
+    if per_example not in ("auto", "vectorized", "loop"):
+        raise PlanError(f"select: per_example={per_example!r}; choose 'auto', 'vectorized' or 'loop'.")
     if score in DATA_SCORES and data is None:
         raise PlanError(
             f"select: score={score!r} needs data; pass data=(x, y), a tf.data.Dataset or an iterable of "
@@ -211,6 +219,7 @@ def select(
             batch_size=batch_size,
             limit=batches,
             microbatch=microbatch,
+            per_example=per_example,
             epochs=epochs,
             optimizer=optimizer,
             verbose=verbose,
