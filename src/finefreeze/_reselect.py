@@ -44,7 +44,8 @@ class Reselect(keras.callbacks.Callback):
     Args:
         data: where the regrowth gradient comes from: ``(x, y)`` arrays, a
             ``tf.data.Dataset`` or an iterable of ``(x, y)`` batches (as in
-            :func:`finefreeze.select`); it is read afresh at each reselection.
+            :func:`finefreeze.select`); it is read afresh at each reselection,
+            so pass something that can be iterated again (not a generator).
         every: optimizer steps between reselections.
         fraction: share of each variable's trained elements swapped (0, 1].
         batches: batches of ``data`` summed for the regrowth gradient.
