@@ -102,6 +102,7 @@ class Reselect(keras.callbacks.Callback):
                 "start from a plan of element masks, e.g. ff.select(model, data, budget=0.01)."
             )
         self._theta0 = [np.array(v.numpy(), copy=True) for v in self._vars]
+        self._cache: dict = {}  # the gradient accumulators and traced step, reused at every reselection
         self._next = self._iterations() + self.every
 
     def _iterations(self) -> int:
@@ -127,6 +128,7 @@ class Reselect(keras.callbacks.Callback):
             epochs=1,
             optimizer=None,
             verbose=0,
+            cache=self._cache,
         )
         rules, swapped = list(self._base.rules), {}
         for v, theta0, g in zip(self._vars, self._theta0, grads):

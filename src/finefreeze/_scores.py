@@ -152,6 +152,7 @@ def stream_scores(
     optimizer,
     verbose,
     per_example="auto",
+    cache: dict | None = None,
 ):
     """Accumulate a data score per element of ``variables``; return numpy arrays, one per variable.
 
@@ -159,7 +160,23 @@ def stream_scores(
     ``gradient``: sum over batches of the absolute batch gradient.
     ``delta``: |theta after ``epochs`` of training on the data - theta before|;
     every model variable is then assigned back its value from before.
+    With a ``cache`` dict (a callback scoring again and again), the
+    accumulators and traced steps are kept there and reused, not released.
     """
+    if cache:
+        for a in cache["accs"]:
+            a.assign(tf.zeros_like(a))
+        return _stream(
+            cache["accs"],
+            [cache["gradient_step"], cache["fisher_step"]],
+            data,
+            score,
+            batch_size,
+            limit,
+            microbatch,
+            verbose,
+            keep=True,
+        )
     loss_fn = loss_function(model, loss)
     watched = [v.value if isinstance(v, keras.Variable) else v for v in variables]
     if score == "delta":
@@ -195,6 +212,15 @@ def stream_scores(
         for a, sq in zip(accs, squares):
             a.assign_add(tf.reduce_sum(sq, axis=0))
 
+    steps = [gradient_step, fisher_step]
+    del gradient_step, fisher_step  # only ``steps`` holds them, so _stream can release them
+    if cache is not None:
+        cache.update(accs=accs, gradient_step=steps[0], fisher_step=steps[1])
+    return _stream(accs, steps, data, score, batch_size, limit, microbatch, verbose, keep=cache is not None)
+
+
+def _stream(accs, steps, data, score, batch_size, limit, microbatch, verbose, *, keep):
+    gradient_step, fisher_step = steps
     it, total = batches(data, batch_size=batch_size, limit=limit)
     bar = keras.utils.Progbar(total, verbose=verbose, unit_name="batch")
     seen = 0
@@ -210,7 +236,10 @@ def stream_scores(
         bar.update(i + 1)
     if seen == 0:
         raise PlanError("select: data yielded no batches; pass at least one (x, y) batch.")
-    del gradient_step, fisher_step  # their graphs hold the accumulators
+    if keep:
+        return [a.numpy() for a in accs]
+    del gradient_step, fisher_step
+    steps.clear()  # their graphs hold the accumulators
     gc.collect()
     out = []
     for j in range(len(accs)):  # hand over one variable at a time: never two full copies
