@@ -36,7 +36,7 @@ class Reselect(keras.callbacks.Callback):
     of the same variable with the largest gradient, summed in absolute value
     over ``batches`` batches of ``data``, start training. Each variable keeps
     its number of trained elements, so the change is an element-mask change
-    through ``Freezer.update`` (no retrace under ``restore``): kept elements
+    through ``Freezer.update`` (no retrace under ``restore`` or ``compact``): kept elements
     keep their optimizer state, regrown ones start from fresh state, frozen
     ones stay bit-identical. Variables trained in full or frozen in full are
     left alone. Ties go to the lower flat index.
