@@ -318,3 +318,36 @@ def test_cli_finetune_select_writes_and_uses_the_selected_plan(tmp_path, capsys)
     assert repr(plan.rules[0]) == "freeze('**')"
     assert main(["finetune", "--select", "fisher", "--budget", "lots", "--out", str(tmp_path / "o2")]) == 2
     assert "--budget 'lots'" in capsys.readouterr().err
+
+
+def test_large_masks_are_written_packed_and_read_back_exactly(tmp_path):
+    m = mlp(units=(96, 64, 4), input_dim=80)  # kernels of 7,680 and 6,144 elements: packed
+    plan = ff.select(m, budget=0.01, score="magnitude", include="**/head/**")
+    d = plan.to_dict()
+    packed = [r["mask"] for r in d["rules"] if isinstance(r.get("mask"), dict)]
+    assert packed and all(set(p) == {"shape", "packbits"} for p in packed)
+    for suffix in (".json", ".toml", ".yaml"):
+        plan.save(tmp_path / f"p{suffix}")
+        back = ff.Plan.load(tmp_path / f"p{suffix}")
+        assert back == plan
+        for a, b in zip(plan.rules, back.rules):
+            assert (a.mask is None and b.mask is None) or np.array_equal(a.mask, b.mask)
+    assert (tmp_path / "p.json").stat().st_size < 2 * 7680 / 6 + 1000  # a list of bools: ~6 bytes per element
+    small = ff.Plan([ff.train("**/head/bias", mask=np.array([True, False, True, False]))]).to_dict()
+    assert small["rules"][0]["mask"] == [True, False, True, False]  # small masks stay readable
+    frz = ff.Freezer(m, plan)
+    assert frz.save_delta(tmp_path / "d.safetensors")["bytes"] < 12_000
+
+
+@pytest.mark.parametrize(
+    "mask, match",
+    [
+        ({"shape": [9000], "packbits": "!!"}, "base64"),
+        ({"shape": [9000], "packbits": "AAAA"}, "needs 1125 bytes"),
+        ({"shape": [90, -1], "packbits": ""}, "shape"),
+        ({"shape": [9000]}, "exactly 'shape' and 'packbits'"),
+    ],
+)
+def test_a_malformed_packed_mask_is_a_plan_error(mask, match):
+    with pytest.raises(ff.PlanError, match=match):
+        ff.Plan.from_dict({"rules": [{"train": "**/kernel", "mask": mask}]})
