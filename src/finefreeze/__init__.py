@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the table below loads th
     from finefreeze._rules import Rule as Rule
     from finefreeze._rules import freeze as freeze
     from finefreeze._rules import train as train
+    from finefreeze._select import select as select
 
 #: public name -> the module that defines it ("" for a public submodule)
 _LAZY = {
@@ -51,6 +52,7 @@ _LAZY = {
     "freeze": "finefreeze._rules",
     "layers": "",
     "load_delta": "finefreeze._delta",
+    "select": "finefreeze._select",
     "train": "finefreeze._rules",
 }
 

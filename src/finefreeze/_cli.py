@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 from finefreeze._atomic import UserError, atomic_path, catch_interrupts, check_interrupt, refuse_overwrite
 from finefreeze._inputs import check_model_file, load_model, load_plan, plan_from_keras_file
@@ -42,20 +43,29 @@ def _bundled_model():
 def cmd_finetune(args) -> int:
     from finefreeze._finetune import finetune
 
-    result = finetune(
-        args.model,
-        data=args.data,
-        plan=args.plan,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        strategy=args.strategy,
-        out=args.out,
-        force=args.force,
-        verbose=0 if args.quiet else 1,
-        print_fn=(lambda *a, **k: None) if args.quiet else print,
-    )
+    with tempfile.TemporaryDirectory() as scratch:  # nothing lands in --out before finetune's own checks
+        plan = args.plan
+        if args.select is not None:  # choose the plan from the training data first
+            if args.plan is not None:
+                raise UserError("--select and --plan exclude each other: --select writes the plan")
+            from finefreeze._selectfile import select_to_file
+
+            plan = select_to_file(args.model, args.data, score=args.select, budget=args.budget, out=scratch)
+        result = finetune(
+            args.model,
+            data=args.data,
+            plan=plan,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            strategy=args.strategy,
+            out=args.out,
+            force=args.force,
+            verbose=0 if args.quiet else 1,
+            print_fn=(lambda *a, **k: None) if args.quiet else print,
+            selected=args.select is not None,
+        )
     print(result.line())
     return 0 if result.verified else 1
 
@@ -178,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
     ft.add_argument("--force", action="store_true", help="replace the files of a previous run in --out")
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
+    ft.add_argument(
+        "--select",
+        choices=["fisher", "gradient", "magnitude", "delta", "random"],
+        help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
+    )
+    ft.add_argument(
+        "--budget", default="0.01", help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
+    )
 
     ins = _command(
         sub,

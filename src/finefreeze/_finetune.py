@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,15 @@ from finefreeze._inputs import check_model_file, load_data, load_model, load_pla
 __all__ = ["finetune", "Result", "OUTPUTS"]
 
 #: every name ``finetune`` may write in ``--out``
-OUTPUTS = ("base.keras", "tuned.keras", "delta.safetensors", "report.json", "tensorboard", "frozen.png")
+OUTPUTS = (
+    "base.keras",
+    "tuned.keras",
+    "delta.safetensors",
+    "report.json",
+    "tensorboard",
+    "frozen.png",
+    "selected-plan.json",
+)
 
 
 def _loss_for(model, y):
@@ -118,6 +127,7 @@ def finetune(
     force: bool = False,
     verbose: int = 1,
     print_fn=print,
+    selected: bool = False,
 ) -> Result:
     """Fine-tune under a plan; write the model, delta, report, TensorBoard log and picture.
 
@@ -137,6 +147,8 @@ def finetune(
     if data is not None and not os.path.exists(data):
         raise UserError(f"data file {data!r} does not exist")
     with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan)) as stage:
+        if selected:  # the plan --select chose is an output of this run
+            shutil.copyfile(plan, stage.path("selected-plan.json"))
         what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"
         print_fn(f"finefreeze finetune: {what} ...", flush=True)
         return _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn)

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from finefreeze._errors import PlanError
-from finefreeze._rules import Rule, freeze, train
+from finefreeze._rules import Rule, decode_mask, freeze, train
 
 __all__ = ["Plan"]
 
@@ -140,7 +140,9 @@ class Plan:
                     f"{where}: unknown keys {sorted(extra)}; allowed: {action}, {', '.join(sorted(_RULE_KEYS))}."
                 )
             kwargs = {}
-            if "mask" in r:
+            if "mask" in r and isinstance(r["mask"], Mapping):
+                kwargs["mask"] = decode_mask(r["mask"], where)
+            elif "mask" in r:
                 import numpy as np
 
                 try:

@@ -1,13 +1,14 @@
-"""Keras callbacks: ``FreezeSchedule``, ``GradualUnfreezing`` and ``FreezeBoard`` (TensorBoard).
+"""Keras callbacks: ``FreezeSchedule``, ``GradualUnfreezing``, ``Reselect`` and ``FreezeBoard`` (TensorBoard).
 
 Example:
     >>> import finefreeze as ff
     >>> sorted(ff.callbacks.__all__)
-    ['FreezeBoard', 'FreezeSchedule', 'GradualUnfreezing']
+    ['FreezeBoard', 'FreezeSchedule', 'GradualUnfreezing', 'Reselect']
 """
 
 from finefreeze._board import FreezeBoard as FreezeBoard
+from finefreeze._reselect import Reselect as Reselect
 from finefreeze._schedule import FreezeSchedule as FreezeSchedule
 from finefreeze._schedule import GradualUnfreezing as GradualUnfreezing
 
-__all__ = ["FreezeBoard", "FreezeSchedule", "GradualUnfreezing"]
+__all__ = ["FreezeBoard", "FreezeSchedule", "GradualUnfreezing", "Reselect"]

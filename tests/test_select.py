@@ -1,0 +1,353 @@
+"""ff.select: each score's chosen set is the top-k of an independently computed score."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import finefreeze as ff
+from conftest import mlp, weights
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def data(n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 5)).astype("float32"), rng.integers(0, 4, n).astype("int32")
+
+
+def chosen(model, plan):
+    """{path: bool mask of trainable elements} under ``plan``."""
+    frz = ff.Freezer(model, plan)
+    return {v.path: ~frz.frozen_mask(v.path) for v in model.weights}
+
+
+def reference_top_k(model, scores, k, skip=()):
+    """Top-k over variables in model order, ties to the lower (variable, flat index), by a full sort."""
+    flat, owner = [], []
+    for v in model.weights:
+        if v.path in skip:
+            continue
+        s = np.asarray(scores[v.path], np.float64).ravel()
+        flat.append(s)
+        owner += [(v.path, i) for i in range(s.size)]
+    allv = np.concatenate(flat)
+    order = np.lexsort((np.arange(allv.size), -allv))[:k]
+    out = {v.path: np.zeros(v.shape, bool) for v in model.weights}
+    for j in order:
+        path, i = owner[j]
+        out[path].ravel()[i] = True
+    return out
+
+
+def per_example_fisher(model, x, y):
+    out = {v.path: np.zeros(v.shape, np.float64) for v in model.weights}
+    for i in range(len(y)):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[i : i + 1], model(x[i : i + 1]))
+        for v, g in zip(model.weights, tape.gradient(loss, model.weights)):
+            out[v.path] += np.asarray(g, np.float64) ** 2
+    return out
+
+
+def batch_gradient(model, x, y, batch_size):
+    out = {v.path: np.zeros(v.shape, np.float64) for v in model.weights}
+    for s in range(0, len(y), batch_size):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[s : s + batch_size], model(x[s : s + batch_size]))
+        for v, g in zip(model.weights, tape.gradient(loss, model.weights)):
+            out[v.path] += np.abs(np.asarray(g, np.float64))
+    return out
+
+
+def same(a, b):
+    assert a.keys() == b.keys()
+    for p in a:
+        assert np.array_equal(a[p], b[p]), p
+
+
+@pytest.mark.parametrize("per_example", ["vectorized", "loop"])
+@pytest.mark.parametrize("per_microbatch", [1, 7, 64])
+def test_fisher_is_top_k_of_summed_squared_per_example_gradients(per_microbatch, per_example):
+    m = mlp()
+    x, y = data()
+    ref = reference_top_k(m, per_example_fisher(m, x, y), 17)
+    plan = ff.select(
+        m, (x, y), budget=17, score="fisher", loss=LOSS, microbatch=per_microbatch, per_example=per_example, verbose=0
+    )
+    same(chosen(m, plan), ref)
+
+
+def test_fisher_on_attention_takes_examples_in_a_loop_and_matches_the_reference():
+    tokens = keras.Input((6, 4))
+    h = keras.layers.MultiHeadAttention(2, 3, name="attention")(tokens, tokens)
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    m = keras.Model(tokens, out, name="attn")
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(12, 6, 4)).astype("float32"), rng.integers(0, 4, 12).astype("int32")
+    ref = reference_top_k(m, per_example_fisher(m, x, y), 25)
+    same(chosen(m, ff.select(m, (x, y), budget=25, score="fisher", loss=LOSS, verbose=0)), ref)
+
+
+def test_gradient_is_top_k_of_summed_absolute_batch_gradients_from_a_dataset():
+    m = mlp()
+    x, y = data()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    ref = reference_top_k(m, batch_gradient(m, x, y, 16), 20)
+    m.compile(loss=LOSS)  # the compiled loss is the default
+    same(chosen(m, ff.select(m, ds, budget=20, score="gradient", verbose=0)), ref)
+    batches = [(x[s : s + 16], y[s : s + 16]) for s in range(0, 40, 16)]  # an iterable of batches
+    same(chosen(m, ff.select(m, batches, budget=20, score="gradient", verbose=0)), ref)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_magnitude_largest_and_smallest(largest):
+    m = mlp()
+    mags = {v.path: np.abs(v.numpy()) * (1 if largest else -1) for v in m.weights}
+    plan = ff.select(m, budget=0.1, score="magnitude", largest=largest)
+    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    same(chosen(m, plan), reference_top_k(m, mags, int(np.floor(0.1 * n + 0.5))))
+
+
+def test_delta_is_top_k_of_a_hand_written_fine_tune_and_resets_the_model_bit_exactly():
+    m = mlp()
+    x, y = data()
+    before = weights(m)
+    ref_model = mlp()
+    ref_model.set_weights(m.get_weights())
+    opt = keras.optimizers.Adam(1e-2)
+    opt.build(ref_model.weights)
+    for _ in range(2):
+        for s in range(0, 40, 10):
+            with tf.GradientTape() as tape:
+                loss = LOSS(y[s : s + 10], ref_model(x[s : s + 10], training=True))
+            opt.apply(tape.gradient(loss, ref_model.weights), ref_model.weights)
+    moved = {v.path: np.abs(r.numpy().astype(np.float64) - v.numpy()) for v, r in zip(m.weights, ref_model.weights)}
+    plan = ff.select(
+        m,
+        (x, y),
+        budget=0.05,
+        score="delta",
+        loss=LOSS,
+        batch_size=10,
+        epochs=2,
+        optimizer=keras.optimizers.Adam(1e-2),
+        verbose=0,
+    )
+    after = weights(m)
+    for p in before:
+        assert np.array_equal(before[p], after[p]), p
+    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    same(chosen(m, plan), reference_top_k(m, moved, int(np.floor(0.05 * n + 0.5))))
+
+
+def test_random_is_deterministic_for_a_seed_and_changes_with_it():
+    m = mlp()
+    a = chosen(m, ff.select(m, budget=30, score="random", seed=3))
+    b = chosen(m, ff.select(m, budget=30, score="random", seed=3))
+    c = chosen(m, ff.select(m, budget=30, score="random", seed=4))
+    same(a, b)
+    assert sum(int(v.sum()) for v in a.values()) == 30
+    assert any(not np.array_equal(a[p], c[p]) for p in a)
+
+
+def test_data_scores_are_deterministic():
+    m = mlp()
+    x, y = data()
+    for score in ("fisher", "gradient", "delta"):
+        a = ff.select(m, (x, y), budget=25, score=score, loss=LOSS, verbose=0)
+        b = ff.select(m, (x, y), budget=25, score=score, loss=LOSS, verbose=0)
+        same(chosen(m, a), chosen(m, b))
+
+
+@pytest.mark.parametrize("budget", [1, 7, 0.013, 0.5, 1.0])
+def test_budget_is_exact_for_counts_and_fractions(budget):
+    m = mlp()
+    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    want = budget if isinstance(budget, int) else max(1, int(np.floor(budget * n + 0.5)))
+    for per_variable in (False, True):
+        c = chosen(m, ff.select(m, budget=budget, score="random", per_variable=per_variable))
+        assert sum(int(v.sum()) for v in c.values()) == want
+
+
+def test_ties_go_to_the_earlier_variable_then_the_lower_index():
+    m = mlp()
+    for v in m.weights:
+        v.assign(np.ones(v.shape, "float32"))
+    c = chosen(m, ff.select(m, budget=45, score="magnitude"))
+    first = m.weights[0]  # dense_0/kernel: 5 x 8 = 40, then dense_0/bias
+    assert c[first.path].all()
+    assert np.array_equal(c[m.weights[1].path], np.arange(8) < 5)
+    assert sum(int(v.sum()) for v in c.values()) == 45
+
+
+def test_per_variable_quota_is_proportional_and_top_k_inside_each_variable():
+    m = mlp()
+    x, y = data()
+    fisher = per_example_fisher(m, x, y)
+    c = chosen(m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, per_variable=True, verbose=0))
+    sizes = [int(np.prod(v.shape)) for v in m.weights]
+    k = int(np.floor(0.25 * sum(sizes) + 0.5))
+    quotas = ff._select.split_budget(k, sizes)
+    assert sum(quotas) == k
+    for v, q, n in zip(m.weights, quotas, sizes):
+        assert abs(q - 0.25 * n) < 1
+        order = np.lexsort((np.arange(n), -fisher[v.path].ravel()))[:q]
+        want = np.zeros(n, bool)
+        want[order] = True
+        assert np.array_equal(c[v.path].ravel(), want), v.path
+
+
+def test_include_is_trained_in_full_and_exclude_is_never_chosen():
+    m = mlp()
+    x, y = data()
+    plan = ff.select(
+        m, (x, y), budget=10, score="fisher", loss=LOSS, include="**/head/**", exclude="**/bias", verbose=0
+    )
+    c = chosen(m, plan)
+    assert c["mlp/head/kernel"].all() and c["mlp/head/bias"].all()
+    assert not c["mlp/dense_0/bias"].any() and not c["mlp/dense_1/bias"].any()
+    assert int(c["mlp/dense_0/kernel"].sum() + c["mlp/dense_1/kernel"].sum()) == 10
+    skip = {"mlp/head/kernel", "mlp/head/bias", "mlp/dense_0/bias", "mlp/dense_1/bias"}
+    scores = {p: (-1.0 if p in skip else 1.0) * s for p, s in per_example_fisher(m, x, y).items()}
+    ref = reference_top_k(m, scores, 10)
+    for p in ("mlp/dense_0/kernel", "mlp/dense_1/kernel"):
+        assert np.array_equal(c[p], ref[p]), p
+
+
+def test_the_plan_is_ordinary_summary_verify_delta_and_compact(tmp_path):
+    m = mlp(units=(64, 64, 4))
+    x, y = data()
+    plan = ff.select(m, (x, y), budget=12, score="fisher", loss=LOSS, include="**/head/**", verbose=0)
+    assert ff.Plan.from_dict(plan.to_dict()) == plan
+    frz = ff.Freezer(m, plan, strategy="compact")
+    before = weights(m)
+    m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(1e-2)), loss=LOSS)
+    m.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    frz.verify()
+    after = weights(m)
+    for p, b in before.items():
+        fm = frz.frozen_mask(p)
+        assert np.array_equal(b[fm], after[p][fm]), p
+    assert "partial" in frz.summary()
+    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    trained = 12 + 64 * 4 + 4
+    assert frz.report()["totals"]["trainable_elements"] == trained
+    assert frz.save_delta(tmp_path / "d.safetensors")["bytes"] < 4 * n / 2
+    state = sum(int(np.prod(v.shape)) for v in m.optimizer.variables)
+    assert state <= 4 * trained + 8 < 2 * n  # Adam moments (and compact indices) of the trained values only
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"budget": 0, "score": "random"}, "budget"),
+        ({"budget": 1.5, "score": "random"}, "budget"),
+        ({"budget": 10**6, "score": "random"}, "budget"),
+        ({"budget": True, "score": "random"}, "budget"),
+        ({"budget": 3, "score": "fischer"}, "unknown score"),
+        ({"budget": 3, "score": "random", "include": "**/haed/**"}, "include="),
+        ({"budget": 3, "score": "random", "exclude": "**"}, "no element is left"),
+        ({"budget": 3, "score": "fisher"}, "needs data"),
+        ({"budget": 3, "microbatch": 0}, "microbatch"),
+        ({"budget": 3, "score": "random", "per_example": "pfor"}, "per_example"),
+    ],
+)
+def test_bad_input_is_a_plan_error_and_changes_nothing(kwargs, match):
+    m = mlp()
+    before = weights(m)
+    with pytest.raises(ff.PlanError, match=match):
+        ff.select(m, **kwargs)
+    after = weights(m)
+    assert all(np.array_equal(before[p], after[p]) for p in before)
+
+
+def test_bad_data_and_missing_loss_are_plan_errors():
+    m = mlp()
+    x, y = data()
+    with pytest.raises(ff.PlanError, match="not compiled with a loss"):
+        ff.select(m, (x, y), budget=3, verbose=0)
+    with pytest.raises(ff.PlanError, match="different numbers of examples"):
+        ff.select(m, (x, y[:5]), budget=3, loss=LOSS, verbose=0)
+    with pytest.raises(ff.PlanError, match=r"\(x, y\)"):
+        ff.select(m, [x], budget=3, loss=LOSS, verbose=0)
+    with pytest.raises(ff.PlanError, match="no batches"):
+        ff.select(m, [], budget=3, loss=LOSS, verbose=0)
+
+
+def test_scores_stream_one_accumulator_per_element_whatever_the_number_of_batches():
+    """TensorFlow's allocator and tracemalloc (numpy) peaks, in float32 copies of the model (4 P bytes)."""
+    import tracemalloc
+
+    layers = [keras.Input((256,))] + [keras.layers.Dense(512, activation="tanh", name=f"d{i}") for i in range(8)]
+    m = keras.Sequential(layers + [keras.layers.Dense(4, name="head")], name="wide")
+    copy = 4 * m.count_params()  # 7.9 MB
+    rng = np.random.default_rng(0)
+    peaks = {}
+    for n_batches in (2, 12):
+        x = rng.normal(size=(32 * n_batches, 256)).astype("float32")
+        y = rng.integers(0, 4, 32 * n_batches).astype("int32")
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        tracemalloc.start()
+        plan = ff.select(m, (x, y), budget=0.01, score="fisher", loss=LOSS, microbatch=4, verbose=0)
+        numpy_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        info = tf.config.experimental.get_memory_info("CPU:0")
+        peaks[n_batches] = (info["peak"] - base) / copy
+        assert info["current"] - base < 0.05 * copy  # the accumulators are released
+        assert numpy_peak < 2 * copy  # the scores handed over one variable at a time, masks: 1 byte per element
+        assert len(plan) > 1
+    # one accumulator, plus a microbatch of 4 per-example gradients at a time: never a batch of 32 of them,
+    # and nothing that grows with the number of batches (12 batches kept would be 12 copies)
+    assert peaks[12] < peaks[2] + 1  # (scheduling moves the peak by up to ~0.6 copy between runs)
+    assert 1 <= peaks[2] < 4 + 2
+
+
+@pytest.mark.slow
+def test_cli_finetune_select_writes_and_uses_the_selected_plan(tmp_path, capsys):
+    from finefreeze._cli import main
+
+    out = tmp_path / "out"
+    assert main(["finetune", "--select", "fisher", "--budget", "300", "--epochs", "1", "--out", str(out), "-q"]) == 0
+    plan = ff.Plan.load(out / "selected-plan.json")
+    report = json.loads((out / "report.json").read_text())
+    assert report["totals"]["trainable_elements"] == 300
+    assert repr(plan.rules[0]) == "freeze('**')"
+    assert main(["finetune", "--select", "fisher", "--budget", "lots", "--out", str(tmp_path / "o2")]) == 2
+    assert "--budget 'lots'" in capsys.readouterr().err
+
+
+def test_large_masks_are_written_packed_and_read_back_exactly(tmp_path):
+    m = mlp(units=(96, 64, 4), input_dim=80)  # kernels of 7,680 and 6,144 elements: packed
+    plan = ff.select(m, budget=0.01, score="magnitude", include="**/head/**")
+    d = plan.to_dict()
+    packed = [r["mask"] for r in d["rules"] if isinstance(r.get("mask"), dict)]
+    assert packed and all(set(p) == {"shape", "packbits"} for p in packed)
+    for suffix in (".json", ".toml", ".yaml"):
+        plan.save(tmp_path / f"p{suffix}")
+        back = ff.Plan.load(tmp_path / f"p{suffix}")
+        assert back == plan
+        for a, b in zip(plan.rules, back.rules):
+            assert (a.mask is None and b.mask is None) or np.array_equal(a.mask, b.mask)
+    assert (tmp_path / "p.json").stat().st_size < 2 * 7680 / 6 + 1000  # a list of bools: ~6 bytes per element
+    small = ff.Plan([ff.train("**/head/bias", mask=np.array([True, False, True, False]))]).to_dict()
+    assert small["rules"][0]["mask"] == [True, False, True, False]  # small masks stay readable
+    frz = ff.Freezer(m, plan)
+    assert frz.save_delta(tmp_path / "d.safetensors")["bytes"] < 12_000
+
+
+@pytest.mark.parametrize(
+    "mask, match",
+    [
+        ({"shape": [9000], "packbits": "!!"}, "base64"),
+        ({"shape": [9000], "packbits": "AAAA"}, "needs 1125 bytes"),
+        ({"shape": [90, -1], "packbits": ""}, "shape"),
+        ({"shape": [9000]}, "exactly 'shape' and 'packbits'"),
+    ],
+)
+def test_a_malformed_packed_mask_is_a_plan_error(mask, match):
+    with pytest.raises(ff.PlanError, match=match):
+        ff.Plan.from_dict({"rules": [{"train": "**/kernel", "mask": mask}]})
