@@ -7,6 +7,9 @@ Example:
 """
 
 from finefreeze import callbacks as callbacks
+from finefreeze._blocks import Block as Block
+from finefreeze._blocks import Blocks as Blocks
+from finefreeze._blocks import blocks as blocks
 from finefreeze._delta import load_delta as load_delta
 from finefreeze._errors import DeltaError as DeltaError
 from finefreeze._errors import DistributionError as DistributionError
@@ -22,6 +25,9 @@ from finefreeze._rules import train as train
 from finefreeze._version import __version__ as __version__
 
 __all__ = [
+    "Block",
+    "Blocks",
+    "blocks",
     "DeltaError",
     "DistributionError",
     "FreezeWarning",

@@ -477,19 +477,33 @@ class Freezer:
 
         return build_report(self)
 
-    def summary(self, *, variables: bool = True, print_fn: Callable[[str], Any] | None = None) -> str:
-        """A table like ``model.summary()``: per layer, then per variable.
+    def summary(
+        self,
+        *,
+        variables: bool = True,
+        print_fn: Callable[[str], Any] | None = None,
+        detail: bool | None = None,
+    ) -> str:
+        """A table like ``model.summary()``: grouped by block, or per layer and variable.
 
         Args:
-            variables: list each variable under its layer.
+            variables: in the detailed table, list each variable under its layer.
             print_fn: if given, called with the text (``print`` prints it).
+            detail: True for the per-layer / per-variable table, False for
+                the grouped one (blocks found by ``ff.blocks`` collapsed
+                into runs of one state, at most 120 characters wide); None
+                (default) picks the detailed table when it fits a screen
+                (40 rows) and the grouped one otherwise.
 
         Returns:
             The table as a string.
         """
         from finefreeze._report import format_summary
+        from finefreeze._summary_groups import format_groups, wants_detail
 
-        text = format_summary(self.report(), variables=variables)
+        rep = self.report()
+        detailed = wants_detail(rep, variables) if detail is None else detail
+        text = format_summary(rep, variables=variables) if detailed else format_groups(rep)
         if print_fn is not None:
             print_fn(text)
         return text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
+from finefreeze._state_size import optimizer_state
+from finefreeze._summary_groups import build_groups
 
 __all__ = ["build_report", "format_summary"]
 
@@ -15,6 +17,7 @@ def build_report(frz) -> dict:
     res = frz.resolution
     plan = res.plan
     variables = []
+    state_label, slots = optimizer_state(frz)
     for s in res.states:
         size = s.info.size
         strategy = frz.strategy_for(s.path) if s.state == PARTIAL else None
@@ -38,6 +41,7 @@ def build_report(frz) -> dict:
                 "strategy": strategy,
                 "lr_scale": s.lr_scale,
                 "adam_state_elements": adam,
+                "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
                 "decided_by": [{"rule": _decider(plan, i), "elements": n} for i, n in s.decided_by],
             }
         )
@@ -52,6 +56,7 @@ def build_report(frz) -> dict:
                 "frozen_elements": 0,
                 "untrained_elements": 0,
                 "adam_state_elements": 0,
+                "optimizer_state_elements": 0,
                 "variables": [],
             },
         )
@@ -60,6 +65,7 @@ def build_report(frz) -> dict:
         row["frozen_elements"] += v["frozen_elements"]
         row["untrained_elements"] += v["elements"] if v["state"] == UNTRAINED else 0
         row["adam_state_elements"] += v["adam_state_elements"]
+        row["optimizer_state_elements"] += v["optimizer_state_elements"]
         row["variables"].append(v["path"])
     for row in layers.values():
         trainable = row["elements"] - row["untrained_elements"]
@@ -76,6 +82,7 @@ def build_report(frz) -> dict:
         "frozen_elements": sum(v["frozen_elements"] for v in variables),
         "untrained_elements": sum(v["elements"] for v in variables if v["state"] == UNTRAINED),
         "adam_state_elements": sum(v["adam_state_elements"] for v in variables),
+        "optimizer_state_elements": sum(v["optimizer_state_elements"] for v in variables),
         "by_state": {k: sum(1 for v in variables if v["state"] == k) for k in (TRAINABLE, PARTIAL, FROZEN, UNTRAINED)},
     }
     decided: dict[int, int] = {}
@@ -87,8 +94,9 @@ def build_report(frz) -> dict:
         for i, r in enumerate(plan.rules)
         if not r.freezes and r.lr_scale is not None and r.lr_scale != 1.0
     ]
-    return {
+    rep = {
         "plan": [repr(r) for r in plan.rules],
+        "optimizer_state": state_label,
         "lr_scales": lr_scales,
         "strategy": frz.strategy,
         "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
@@ -97,6 +105,8 @@ def build_report(frz) -> dict:
         "totals": totals,
         "history": list(getattr(frz, "_history", [])),
     }
+    rep["groups"] = build_groups(frz, rep)
+    return rep
 
 
 def _fmt_state(v) -> str:
@@ -108,7 +118,8 @@ def _fmt_state(v) -> str:
 
 def format_summary(rep: dict, *, variables: bool = True) -> str:
     by_path = {v["path"]: v for v in rep["variables"]}
-    head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", "Adam state", "Decided by")
+    label = rep.get("optimizer_state", "Adam state")
+    head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", label, "Decided by")
     rows = []
     for layer in rep["layers"]:
         rows.append(
@@ -119,7 +130,7 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
                 f"{layer['trainable_elements']:,}",
                 f"{layer['frozen_elements']:,}",
                 _fmt_state(layer),
-                f"{layer['adam_state_elements']:,}",
+                f"{layer['optimizer_state_elements']:,}",
                 "",
             )
         )
@@ -137,7 +148,7 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
                         f"{v['trainable_elements']:,}",
                         f"{v['frozen_elements']:,}",
                         state,
-                        f"{v['adam_state_elements']:,}",
+                        f"{v['optimizer_state_elements']:,}",
                         deciders,
                     )
                 )
@@ -159,7 +170,7 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
     out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% of what Keras trains)")
     out.append(f"Frozen elements:    {t['frozen_elements']:,}")
     out.append(f"Not trained by Keras (moving statistics etc.): {t['untrained_elements']:,}")
-    out.append(f"Optimizer state with Adam: {t['adam_state_elements']:,} elements")
+    out.append(f"Optimizer {label}: {t['optimizer_state_elements']:,} elements")
     if rep["frozen_layers"]:
         out.append("Frozen as layers (inference mode): " + ", ".join(rep["frozen_layers"]))
     for g in rep.get("lr_scales", []):

@@ -19,6 +19,7 @@ from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._masks import ElementMask
 from finefreeze._plan import Plan
 from finefreeze._rules import Rule
+from finefreeze._scopes import ambiguity_note
 from finefreeze._targets import Target, VarInfo
 
 __all__ = ["VarState", "Resolution", "resolve"]
@@ -261,6 +262,9 @@ def _check_hits(plan, target, hits, untrained_hits):
             why = "it matches variables but zero of their elements"
         else:
             why = "no variable path matches it"
+            regex = getattr(rule.selector, "regex", None)
+            if regex is not None and target.ambiguous:
+                why += ambiguity_note(regex, target.ambiguous)
         msg = (
             f"rule {i + 1} {rule!r} selects nothing: {why}. Closest existing "
             f"paths: {', '.join(_closest(text, paths))}. Fix the selector, or "

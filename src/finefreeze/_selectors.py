@@ -194,6 +194,9 @@ def to_selector(selector) -> tuple[Selector, str | None]:
     """
     if selector is None:
         return Glob("**", re.compile(".*")), None
+    as_selector = getattr(selector, "__finefreeze_selector__", None)
+    if as_selector is not None and not isinstance(selector, type):  # ff.blocks(...) and slices of it
+        selector = as_selector()
     if isinstance(selector, str):
         return _from_string(selector)
     if isinstance(selector, dict) and set(selector) == {"layer_class"}:

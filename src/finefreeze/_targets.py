@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from finefreeze._errors import PlanError
+from finefreeze._scopes import drop_ambiguous_aliases, scoped_aliases
 
 __all__ = ["VarInfo", "Target", "collect", "var_path"]
 
@@ -86,6 +87,8 @@ class Target:
     kind: str  # "keras" | "module" | "variables"
     variables: list[VarInfo]
     layers: list[Any]  # every layer / submodule, deduplicated
+    # a scoped name (a nested layer's name added to a path) that names several variables
+    ambiguous: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self._class_ids: dict = {}
@@ -181,7 +184,7 @@ def _collect_keras(root) -> Target:
     layer_ids: set[int] = set()
     root_trainable = base_trainable(root)
 
-    def walk(layer):
+    def walk(layer, scope):
         if id(layer) in layer_ids:
             return
         layer_ids.add(id(layer))
@@ -191,10 +194,11 @@ def _collect_keras(root) -> Target:
                 continue
             seen.add(id(v))
             shape, dtype = _shape_dtype(v)
+            path = var_path(v)
             infos.append(
                 VarInfo(
-                    path=var_path(v),
-                    names=(var_path(v),),
+                    path=path,
+                    names=(path, *scoped_aliases(path, scope)),
                     variable=v,
                     raw=getattr(v, "value", v) if isinstance(v, keras.Variable) else v,
                     shape=shape,
@@ -205,12 +209,13 @@ def _collect_keras(root) -> Target:
                 )
             )
         for sub in layer._layers:
-            walk(sub)
+            walk(sub, (*scope, sub.name))
 
-    walk(root)
+    walk(root, ())
     order = {id(v): i for i, v in enumerate(root.weights)}
     infos.sort(key=lambda vi: order.get(id(vi.variable), len(order)))
-    return Target(root, "keras", infos, layers)
+    ambiguous = drop_ambiguous_aliases(infos)
+    return Target(root, "keras", infos, layers, ambiguous)
 
 
 def _collect_list(variables) -> Target:
