@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from finefreeze._errors import PlanError
+from finefreeze._errors import FreezeWarning, PlanError
+from finefreeze._keras_flags import flag_changes, set_layer_flags
 from finefreeze._layout import STRATEGIES, Layout
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
@@ -173,7 +175,7 @@ class Freezer:
         for vi in t.variables:
             if vi.is_keras:
                 remember_base(vi.variable)
-        changed = False
+        changed = set_layer_flags(t, self._res)  # layers frozen whole: layer.trainable = False
         frozen_layers = {id(x) for x in self._res.frozen_layers}
         for layer in t.layers:
             if isinstance(layer, keras.layers.BatchNormalization):
@@ -378,6 +380,7 @@ class Freezer:
         from finefreeze._distribute import check_optimizer, check_scope
         from finefreeze._optimizer import FreezingOptimizer
 
+        self._honour_keras_flags()
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")
@@ -390,6 +393,21 @@ class Freezer:
         opt._attach(self)
         self._wrapped.append(weakref.ref(opt))
         return opt
+
+    def _honour_keras_flags(self) -> None:
+        """Turn ``layer.trainable`` switches made since the flags were set into plan rules (with a warning)."""
+        changes = flag_changes(self._target, self._res)
+        if not changes:
+            return
+        plan = Plan([*self._res.plan.rules, *(rule for _, rule in changes)], strict=self._res.plan.strict)
+        self.update(plan)
+        what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
+        warnings.warn(
+            f"Keras' trainable flag changed after the Freezer set it ({what}). The Freezer honours it "
+            "(see history); to silence this, change the plan with Freezer.update instead.",
+            FreezeWarning,
+            stacklevel=3,
+        )
 
     @classmethod
     def of(cls, model: Any) -> Freezer | None:

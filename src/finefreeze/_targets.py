@@ -91,6 +91,7 @@ class Target:
     ambiguous: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        self._name_index = None  # every name joined once, for selectors that match all variables at once
         self._class_ids: dict = {}
         self._inst_ids: dict = {}
 
@@ -124,10 +125,9 @@ def _layer_weights(obj):
 
 
 def _shape_dtype(v):
-    shape = tuple(int(d) for d in v.shape)
+    shape = tuple(map(int, v.shape))
     dt = v.dtype
-    dtype = getattr(dt, "name", None) or str(dt)
-    return shape, dtype
+    return shape, dt if isinstance(dt, str) else (getattr(dt, "name", None) or str(dt))
 
 
 def _tf():
