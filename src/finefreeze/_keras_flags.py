@@ -1,7 +1,10 @@
-"""Keras' own switch, ``layer.trainable``, kept meaningful next to a Freezer.
+"""Keras' own switch, ``base.trainable``, kept meaningful next to a Freezer.
 
-A Freezer sets ``layer.trainable = False`` on every layer its plan freezes
-whole (as Keras users do by hand), besides the variable flags. So the
+A Freezer sets ``base.trainable = False`` on every nested model its plan
+freezes whole (as Keras users do by hand), besides the variable flags.
+Only nested models: a layer flag is saved with the model, and a loaded
+model's switched-off layers are, for Keras and for plans, layers Keras does
+not train; a backbone saved frozen loads frozen, as it does in plain Keras. So the
 keras.io recipe ``base.trainable = True`` after a Freezer is a visible
 change: Keras' setter unfreezes the layer's variables, and the next
 ``Freezer.wrap`` (the recompile that recipe asks for) honours it by adding a
@@ -80,7 +83,7 @@ def set_layer_flags(target, res) -> bool:
             frozen[up] += frozen[id(layer)]
     changed = False
     for layer in layers:
-        if isinstance(layer, keras.layers.BatchNormalization):
+        if not isinstance(layer, keras.Model):  # nested models only: see the module docstring
             continue
         whole = trained[id(layer)] and trained[id(layer)] == frozen[id(layer)]
         want = base_trainable(layer) and not whole

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
 from finefreeze._state_size import optimizer_state
-from finefreeze._summary_groups import build_groups
+from finefreeze._summary_groups import batchnorm_line, build_groups
 
 __all__ = ["build_report", "format_summary"]
 
 
 def _decider(plan, idx: int) -> str:
+    if idx >= len(plan.rules):
+        return f"batchnorm={plan.batchnorm!r}"
     return "keras state" if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
 
 
@@ -97,6 +99,7 @@ def build_report(frz) -> dict:
     rep = {
         "plan": [repr(r) for r in plan.rules],
         "optimizer_state": state_label,
+        "batchnorm": batchnorm_line(plan.batchnorm),
         "lr_scales": lr_scales,
         "strategy": frz.strategy,
         "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
@@ -164,6 +167,8 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
     rule = "─" * (sum(widths) + 2 * (len(widths) - 1))
     t = rep["totals"]
     out = ["Freeze plan: " + ", ".join(rep["plan"]), rule, line(head), rule]
+    if rep.get("batchnorm"):
+        out.insert(1, rep["batchnorm"])
     out += [line(r) for r in rows]
     out.append(rule)
     pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])

@@ -187,7 +187,7 @@ def resolve(plan: Plan, target: Target) -> Resolution:
         PlanError: a rule selects nothing (strict), element pickers do not fit,
             or nothing is left to train.
     """
-    rules = plan.rules
+    rules = plan.all_rules  # the plan's rules, then the one its batchnorm option adds
     n_rules = len(rules)
     hits = [0] * n_rules
     freezes = np.array([False] + [r.freezes for r in rules])  # index 0 = Keras state
@@ -226,7 +226,8 @@ def resolve(plan: Plan, target: Target) -> Resolution:
             f"{target.kind} target ({len(states)} variables); add a train(...) rule "
             "or narrow a freeze(...) rule."
         )
-    return Resolution(plan, target, tuple(states), _frozen_bn_layers(target, states))
+    frozen_bn = () if plan.batchnorm == "stats" else _frozen_bn_layers(target, states)
+    return Resolution(plan, target, tuple(states), frozen_bn)
 
 
 def _matching(rules, target) -> list[list[int]]:

@@ -14,7 +14,7 @@ import re
 
 from finefreeze._blocks import _flat, blocks
 
-__all__ = ["build_groups", "format_groups", "wants_detail", "MAX_ROWS", "SCREEN", "WIDTH"]
+__all__ = ["batchnorm_line", "build_groups", "format_groups", "wants_detail", "MAX_ROWS", "SCREEN", "WIDTH"]
 
 MAX_ROWS = 30
 SCREEN = 40
@@ -109,6 +109,18 @@ def wants_detail(rep: dict, variables: bool = True) -> bool:
     return rows <= SCREEN
 
 
+_BATCHNORM = {
+    "frozen": "gamma/beta frozen, statistics fixed, inference mode",
+    "train": "gamma/beta trained, statistics updated, training mode (also inside frozen parts)",
+    "stats": "gamma/beta frozen, statistics updated, training mode",
+}
+
+
+def batchnorm_line(option: str) -> str:
+    """The summary line of a plan's ``batchnorm`` option ('' for ``keras``)."""
+    return f"BatchNormalization (batchnorm={option!r}): {_BATCHNORM[option]}" if option in _BATCHNORM else ""
+
+
 def _token(row) -> str:
     return row["members"][0].split("/")[-1].split("_")[0]
 
@@ -197,6 +209,8 @@ def format_groups(rep: dict) -> str:
     t = rep["totals"]
     pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
     out = [_cut("Freeze plan: " + ", ".join(rep["plan"]), WIDTH), bar, line(head), bar, *map(line, body), bar]
+    if rep.get("batchnorm"):
+        out.insert(1, rep["batchnorm"])
     out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% of what Keras trains)")
     out.append(f"Frozen elements: {t['frozen_elements']:,}; not trained by Keras: {t['untrained_elements']:,}")
     out.append(f"Optimizer {label}: {t['optimizer_state_elements']:,} elements")
