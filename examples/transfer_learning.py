@@ -71,4 +71,6 @@ for switch in (False, True):
     print("warning:", caught[0].message)
     assert frz.plan.rules[-1] == (ff.train(scope) if switch else ff.freeze(scope))
 assert len(frz.trainable_variables) == len(model.trainable_weights) == len(base.trainable_weights) + 2
-print(f"OK: backbone frozen by name, top {len(top)} blocks fine-tuned, BatchNorm statistics unchanged, base.trainable honoured")
+print(
+    f"OK: backbone frozen by name, top {len(top)} blocks fine-tuned, BatchNorm statistics unchanged, base.trainable honoured"
+)
