@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from finefreeze._errors import PlanError
@@ -84,9 +83,6 @@ class Blocks(tuple):
 
     def __finefreeze_selector__(self) -> str:
         return self.selector
-
-    def __iter__(self) -> Iterator[Block]:
-        return super().__iter__()
 
     def __repr__(self) -> str:
         if len(self) > 6:

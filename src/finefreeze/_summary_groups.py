@@ -142,15 +142,13 @@ def _merge(rows, fits) -> list[dict]:
 
 
 def _label(members: list[str]) -> str:
+    """``conv4_block1…6`` for a run of numbered names, ``first…last`` otherwise."""
     if len(members) == 1:
         return members[0]
     first, last = members[0], members[-1]
-    m = _INDEX.search(last)
-    if (
-        m
-        and first[: len(first) - len(_INDEX.search(first).group()) if _INDEX.search(first) else 0] == last[: m.start()]
-    ):
-        return f"{first}…{m.group()}"
+    a, b = _INDEX.search(first), _INDEX.search(last)
+    if a and b and first[: a.start()] == last[: b.start()]:
+        return f"{first}…{b.group()}"
     return f"{first}…{last}"
 
 
