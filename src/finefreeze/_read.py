@@ -35,10 +35,9 @@ def read(variable) -> np.ndarray:
         [0.0, 1.0, 2.0]
     """
     raw = getattr(variable, "value", variable)
-    handle = getattr(raw, "handle", None)
-    if _ops is not None and type(raw).__name__ == "ResourceVariable" and handle is not None:
+    if _ops is not None and type(raw).__name__ == "ResourceVariable":  # not a distributed variable
         try:
-            return np.asarray(_ops.read_variable_op(handle, raw.dtype).numpy())
+            return np.asarray(_ops.read_variable_op(raw.handle, raw.dtype).numpy())
         except Exception:  # pragma: no cover - graph mode or an exotic handle: the ordinary read
             pass
     return np.asarray(variable.numpy())
