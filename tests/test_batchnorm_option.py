@@ -85,3 +85,40 @@ def test_the_option_is_checked_and_saved():
     with pytest.raises(ff.PlanError, match="'batchnorm' must be one of"):
         ff.Plan.from_dict({"rules": [], "batchnorm": 1})
     ff.Freezer(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]), ff.Plan([], batchnorm="frozen"))
+
+
+class InferenceBatchNorm(keras.layers.BatchNormalization):
+    """The hand-written recipe for 'affine': a BatchNormalization that always runs in inference mode.
+
+    (Calling the layer with training=False in a Functional model does not do it: Keras 3 passes
+    fit's training=True through.)"""
+
+    def call(self, inputs, training=None, mask=None):
+        return super().call(inputs, training=False, mask=mask)
+
+
+def convnet_inference_bn(seed=5):
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8, 8, 3))
+    x = inp
+    for i in range(2):
+        x = keras.layers.Conv2D(4, 3, padding="same", name=f"block{i}_conv")(x)
+        x = InferenceBatchNorm(name=f"block{i}_bn")(x)
+        x = keras.layers.ReLU(name=f"block{i}_relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inp, keras.layers.Dense(2, name="head")(x), name="net")
+
+
+def test_affine_trains_gamma_beta_in_inference_mode():
+    ref, model = convnet_inference_bn(), convnet()
+    for layer in ref.layers:
+        layer.trainable = isinstance(layer, keras.layers.BatchNormalization) or layer.name == "head"
+    stats = {v.path: v.numpy().copy() for bn in bns(ref) for v in bn.non_trainable_weights}
+    fit(ref, keras.optimizers.Adam(1e-2))
+    assert all(np.array_equal(v.numpy(), stats[v.path]) for bn in bns(ref) for v in bn.non_trainable_weights)
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), ff.train("head/**")], batchnorm="affine"))
+    fit(model, frz.wrap(keras.optimizers.Adam(1e-2)))
+    same(ref, model)
+    assert not np.array_equal(model.get_layer("block0_bn").gamma.numpy(), np.ones(4, "float32"))
+    frz.update(ff.Plan([ff.freeze("**"), ff.train("head/**")]))  # back to Keras' BatchNorm
+    assert "call" not in model.get_layer("block0_bn").__dict__

@@ -26,6 +26,7 @@ from finefreeze._targets import base_trainable
 __all__ = ["set_layer_flags", "flag_changes"]
 
 _SET = "_finefreeze_set_trainable"
+_CALL = "_finefreeze_inference_call"
 
 
 def _walk(root):
@@ -90,10 +91,39 @@ def set_layer_flags(target, res) -> bool:
         if layer.trainable != want:
             layer.trainable, changed = want, True
         setattr(layer, _SET, want)
+    affine = res.plan.batchnorm == "affine"
+    for layer in layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            changed |= inference_mode(layer, affine)
     for s in res.states:  # the cascade may have switched variables Keras did not train
         if s.state == UNTRAINED and s.info.is_keras and s.variable.trainable != s.info.base_trainable:
             s.variable.trainable = bool(getattr(s.variable, "_finefreeze_base_trainable", s.info.base_trainable))
     return changed
+
+
+def inference_mode(layer, on: bool) -> bool:
+    """Make a BatchNormalization layer run in inference mode while it trains (``batchnorm="affine"``).
+
+    Keras runs a trainable BatchNormalization in training mode whenever
+    ``training`` is true; this layer's ``call`` is given ``training=False``
+    instead (an attribute of the instance, removed when ``on`` is False;
+    nothing of it is saved). Returns whether it changed.
+    """
+    has = _CALL in layer.__dict__
+    if on == has:
+        return False
+    if on:
+        original = layer.call
+
+        def call(*args, training=None, **kwargs):
+            return original(*args, training=False, **kwargs)
+
+        layer.__dict__["call"] = call
+        layer.__dict__[_CALL] = True
+    else:
+        del layer.__dict__["call"]
+        del layer.__dict__[_CALL]
+    return True
 
 
 def _selector(target, layer, res):

@@ -13,7 +13,7 @@ from finefreeze._rules import Rule, freeze, train
 __all__ = ["Plan", "BATCHNORM"]
 
 #: Values of ``Plan(batchnorm=...)``.
-BATCHNORM = ("keras", "frozen", "train", "stats")
+BATCHNORM = ("keras", "frozen", "train", "stats", "affine")
 
 _RULE_KEYS = {"mask", "indices", "lr_scale"}
 
@@ -32,7 +32,8 @@ class Plan:
             fine-tuning recipe of the keras.io guide), ``"train"`` (gamma/beta
             trained and statistics updated even inside frozen parts:
             Lightning's ``train_bn``), ``"stats"`` (gamma/beta frozen,
-            statistics keep updating in training mode).
+            statistics keep updating in training mode), ``"affine"``
+            (gamma/beta trained, statistics fixed, inference mode).
 
     Raises:
         PlanError: an entry of ``rules`` is not a ``Rule``.
@@ -77,13 +78,13 @@ class Plan:
 
     @property
     def batchnorm(self) -> str:
-        """What BatchNormalization layers do: ``keras``, ``frozen``, ``train`` or ``stats``."""
+        """What BatchNormalization layers do: ``keras``, ``frozen``, ``train``, ``stats`` or ``affine``."""
         return self._batchnorm
 
     @property
     def all_rules(self) -> tuple[Rule, ...]:
         """The rules, then the one ``batchnorm`` adds (``freeze``/``train`` of every BatchNormalization)."""
-        extra = {"frozen": freeze, "stats": freeze, "train": train}.get(self._batchnorm)
+        extra = {"frozen": freeze, "stats": freeze, "train": train, "affine": train}.get(self._batchnorm)
         return self._rules if extra is None else (*self._rules, extra({"layer_class": "BatchNormalization"}))
 
     def freeze(self, *args, **kwargs) -> Plan:

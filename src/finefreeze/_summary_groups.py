@@ -113,6 +113,7 @@ _BATCHNORM = {
     "frozen": "gamma/beta frozen, statistics fixed, inference mode",
     "train": "gamma/beta trained, statistics updated, training mode (also inside frozen parts)",
     "stats": "gamma/beta frozen, statistics updated, training mode",
+    "affine": "gamma/beta trained (also inside frozen parts), statistics fixed, inference mode",
 }
 
 
