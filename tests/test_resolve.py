@@ -200,6 +200,6 @@ def test_report_is_json_able_and_counts_add_up():
     emb = next(v for v in rep["variables"] if v["path"] == "token_embedding/embeddings")
     assert emb["state"] == "partial" and emb["strategy"] == "restore"
     assert [d["elements"] for d in emb["decided_by"]] == [40 * 16, 10 * 16]
-    text = frz.summary()
+    text = frz.summary(detail=True)
     assert "token_embedding" in text and "partial 80.0% frozen [restore]" in text
     assert "3: train('token_embedding/embeddings[40:]')" in text

@@ -23,6 +23,9 @@ from finefreeze._version import __version__ as __version__
 if TYPE_CHECKING:  # what static tools see; at run time the table below loads them on use
     from finefreeze import callbacks as callbacks
     from finefreeze import layers as layers
+    from finefreeze._blocks import Block as Block
+    from finefreeze._blocks import Blocks as Blocks
+    from finefreeze._blocks import blocks as blocks
     from finefreeze._delta import load_delta as load_delta
     from finefreeze._errors import DeltaError as DeltaError
     from finefreeze._errors import DistributionError as DistributionError
@@ -39,6 +42,9 @@ if TYPE_CHECKING:  # what static tools see; at run time the table below loads th
 
 #: public name -> the module that defines it ("" for a public submodule)
 _LAZY = {
+    "Block": "finefreeze._blocks",
+    "Blocks": "finefreeze._blocks",
+    "blocks": "finefreeze._blocks",
     "DeltaError": "finefreeze._errors",
     "DistributionError": "finefreeze._errors",
     "FreezeWarning": "finefreeze._errors",

@@ -15,6 +15,7 @@ import numpy as np
 
 from finefreeze._backend import to_numpy
 from finefreeze._errors import FrozenValueChanged
+from finefreeze._read import read
 
 __all__ = ["Fingerprint", "take", "BLOCK"]
 
@@ -38,6 +39,9 @@ def block_hashes(value: np.ndarray, frozen: np.ndarray | None) -> np.ndarray:
     if frozen is not None:
         words = np.where(frozen.reshape(-1), words, 0)
     n = words.size
+    if 0 < n <= BLOCK:  # one block: the padded sum without the padding
+        with np.errstate(over="ignore"):
+            return np.array([(words.astype(np.uint64) * _MULT[:n]).sum(dtype=np.uint64)], dtype=np.uint64)
     n_blocks = (n + BLOCK - 1) // BLOCK
     out = np.empty(n_blocks, dtype=np.uint64)
     step = _CHUNK_BLOCKS * BLOCK
@@ -157,9 +161,27 @@ def _describe(diff, shape, n_blocks) -> str:
 
 def take(items) -> Fingerprint:
     """Fingerprint ``(path, variable, shape, frozen ElementMask or None)`` items."""
-    entries = []
+    entries, small = [], []
     for path, var, shape, mask in items:
-        value = to_numpy(var)
+        value = read(var)
         frozen = None if mask is None else mask.dense()
-        entries.append(_Entry(path, var, tuple(shape), mask, block_hashes(value, frozen)))
-    return Fingerprint(tuple(entries))
+        if frozen is None and 0 < value.size <= BLOCK:  # hashed together below
+            small.append((len(entries), _words(value)))
+            entries.append((path, var, tuple(shape), mask))
+            continue
+        entries.append((path, var, tuple(shape), mask, block_hashes(value, frozen)))
+    if small:
+        hashes = _one_block_hashes([w for _, w in small])
+        for (k, _), h in zip(small, hashes):
+            entries[k] = (*entries[k], np.array([h], dtype=np.uint64))
+    return Fingerprint(tuple(_Entry(*e) for e in entries))
+
+
+def _one_block_hashes(words: list[np.ndarray]) -> np.ndarray:
+    """``block_hashes`` of many one-block arrays in one vectorised pass (same values)."""
+    sizes = np.fromiter((w.size for w in words), dtype=np.int64, count=len(words))
+    flat = np.concatenate([w.astype(np.uint64) for w in words])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    pos = np.arange(flat.size, dtype=np.int64) - np.repeat(starts, sizes)
+    with np.errstate(over="ignore"):
+        return np.add.reduceat(flat * _MULT[pos], starts, dtype=np.uint64)

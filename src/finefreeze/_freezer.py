@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from finefreeze._backend import to_numpy
-from finefreeze._errors import PlanError
+from finefreeze._errors import FreezeWarning, PlanError
+from finefreeze._keras_flags import flag_changes, set_layer_flags
 from finefreeze._layout import STRATEGIES, Layout
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
@@ -224,7 +226,7 @@ class Freezer:
         for vi in t.variables:
             if vi.is_keras:
                 remember_base(vi.variable)
-        changed = False
+        changed = set_layer_flags(t, self._res)  # layers frozen whole: layer.trainable = False
         frozen_layers = {id(x) for x in self._res.frozen_layers}
         for layer in t.layers:
             if isinstance(layer, keras.layers.BatchNormalization):
@@ -433,6 +435,7 @@ class Freezer:
         from finefreeze._distribute import check_optimizer, check_scope
         from finefreeze._optimizer import FreezingOptimizer
 
+        self._honour_keras_flags()
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")
@@ -445,6 +448,21 @@ class Freezer:
         opt._attach(self)
         self._wrapped.append(weakref.ref(opt))
         return opt
+
+    def _honour_keras_flags(self) -> None:
+        """Turn ``layer.trainable`` switches made since the flags were set into plan rules (with a warning)."""
+        changes = flag_changes(self._target, self._res)
+        if not changes:
+            return
+        plan = Plan([*self._res.plan.rules, *(rule for _, rule in changes)], strict=self._res.plan.strict)
+        self.update(plan)
+        what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
+        warnings.warn(
+            f"Keras' trainable flag changed after the Freezer set it ({what}). The Freezer honours it "
+            "(see history); to silence this, change the plan with Freezer.update instead.",
+            FreezeWarning,
+            stacklevel=3,
+        )
 
     @classmethod
     def of(cls, model: Any) -> Freezer | None:
@@ -532,19 +550,33 @@ class Freezer:
 
         return build_report(self)
 
-    def summary(self, *, variables: bool = True, print_fn: Callable[[str], Any] | None = None) -> str:
-        """A table like ``model.summary()``: per layer, then per variable.
+    def summary(
+        self,
+        *,
+        variables: bool = True,
+        print_fn: Callable[[str], Any] | None = None,
+        detail: bool | None = None,
+    ) -> str:
+        """A table like ``model.summary()``: grouped by block, or per layer and variable.
 
         Args:
-            variables: list each variable under its layer.
+            variables: in the detailed table, list each variable under its layer.
             print_fn: if given, called with the text (``print`` prints it).
+            detail: True for the per-layer / per-variable table, False for
+                the grouped one (blocks found by ``ff.blocks`` collapsed
+                into runs of one state, at most 120 characters wide); None
+                (default) picks the detailed table when it fits a screen
+                (40 rows) and the grouped one otherwise.
 
         Returns:
             The table as a string.
         """
         from finefreeze._report import format_summary
+        from finefreeze._summary_groups import format_groups, wants_detail
 
-        text = format_summary(self.report(), variables=variables)
+        rep = self.report()
+        detailed = wants_detail(rep, variables) if detail is None else detail
+        text = format_summary(rep, variables=variables) if detailed else format_groups(rep)
         if print_fn is not None:
             print_fn(text)
         return text

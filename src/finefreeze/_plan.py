@@ -10,7 +10,10 @@ from typing import Any
 from finefreeze._errors import PlanError
 from finefreeze._rules import Rule, decode_mask, freeze, train
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "BATCHNORM"]
+
+#: Values of ``Plan(batchnorm=...)``.
+BATCHNORM = ("keras", "frozen", "train", "stats", "affine")
 
 _RULE_KEYS = {"mask", "indices", "lr_scale"}
 
@@ -22,6 +25,15 @@ class Plan:
         rules: rules made with :func:`freeze` and :func:`train`.
         strict: when True, a rule that selects nothing is a ``PlanError``;
             when False it is a warning.
+        batchnorm: what BatchNormalization layers do, whatever the rules say
+            (see :data:`BATCHNORM`): ``"keras"`` (default: they follow the
+            rules; one frozen whole runs in inference mode), ``"frozen"``
+            (gamma/beta frozen, statistics fixed, inference mode: the
+            fine-tuning recipe of the keras.io guide), ``"train"`` (gamma/beta
+            trained and statistics updated even inside frozen parts:
+            Lightning's ``train_bn``), ``"stats"`` (gamma/beta frozen,
+            statistics keep updating in training mode), ``"affine"``
+            (gamma/beta trained, statistics fixed, inference mode).
 
     Raises:
         PlanError: an entry of ``rules`` is not a ``Rule``.
@@ -35,9 +47,9 @@ class Plan:
         True
     """
 
-    __slots__ = ("_rules", "_strict")
+    __slots__ = ("_rules", "_strict", "_batchnorm")
 
-    def __init__(self, rules: Iterable[Rule] = (), *, strict: bool = True):
+    def __init__(self, rules: Iterable[Rule] = (), *, strict: bool = True, batchnorm: str = "keras"):
         rules = tuple(rules)
         for i, r in enumerate(rules):
             if not isinstance(r, Rule):
@@ -47,6 +59,9 @@ class Plan:
                 )
         object.__setattr__(self, "_rules", rules)
         object.__setattr__(self, "_strict", bool(strict))
+        if batchnorm not in BATCHNORM:
+            raise PlanError(f"Plan(batchnorm={batchnorm!r}): choose one of {', '.join(map(repr, BATCHNORM))}.")
+        object.__setattr__(self, "_batchnorm", batchnorm)
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; .freeze() and .train() return a new plan")
@@ -61,18 +76,30 @@ class Plan:
         """Whether a rule that selects nothing is an error."""
         return self._strict
 
+    @property
+    def batchnorm(self) -> str:
+        """What BatchNormalization layers do: ``keras``, ``frozen``, ``train``, ``stats`` or ``affine``."""
+        return self._batchnorm
+
+    @property
+    def all_rules(self) -> tuple[Rule, ...]:
+        """The rules, then the one ``batchnorm`` adds (``freeze``/``train`` of every BatchNormalization)."""
+        extra = {"frozen": freeze, "stats": freeze, "train": train, "affine": train}.get(self._batchnorm)
+        return self._rules if extra is None else (*self._rules, extra({"layer_class": "BatchNormalization"}))
+
     def freeze(self, *args, **kwargs) -> Plan:
         """Return a new plan with ``ff.freeze(*args, **kwargs)`` appended."""
-        return Plan(self._rules + (freeze(*args, **kwargs),), strict=self._strict)
+        return Plan(self._rules + (freeze(*args, **kwargs),), strict=self._strict, batchnorm=self._batchnorm)
 
     def train(self, *args, **kwargs) -> Plan:
         """Return a new plan with ``ff.train(*args, **kwargs)`` appended."""
-        return Plan(self._rules + (train(*args, **kwargs),), strict=self._strict)
+        return Plan(self._rules + (train(*args, **kwargs),), strict=self._strict, batchnorm=self._batchnorm)
 
     def __add__(self, other: Plan) -> Plan:
         if not isinstance(other, Plan):
             return NotImplemented
-        return Plan(self._rules + other._rules, strict=self._strict and other._strict)
+        bn = self._batchnorm if other._batchnorm == "keras" else other._batchnorm
+        return Plan(self._rules + other._rules, strict=self._strict and other._strict, batchnorm=bn)
 
     def __len__(self) -> int:
         return len(self._rules)
@@ -83,14 +110,15 @@ class Plan:
     def __eq__(self, other) -> bool:
         if not isinstance(other, Plan):
             return NotImplemented
-        return self._strict == other._strict and self._rules == other._rules
+        return (self._strict, self._batchnorm, self._rules) == (other._strict, other._batchnorm, other._rules)
 
     def __hash__(self):
-        return hash((self._rules, self._strict))
+        return hash((self._rules, self._strict, self._batchnorm))
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(r) for r in self._rules)
         extra = "" if self._strict else ", strict=False"
+        extra += "" if self._batchnorm == "keras" else f", batchnorm={self._batchnorm!r}"
         return f"Plan([{inner}]{extra})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,7 +127,10 @@ class Plan:
         Raises:
             PlanError: a rule holds a callable, an instance or a variable.
         """
-        return {"strict": self._strict, "rules": [r.to_dict() for r in self._rules]}
+        d = {"strict": self._strict, "rules": [r.to_dict() for r in self._rules]}
+        if self._batchnorm != "keras":
+            d["batchnorm"] = self._batchnorm
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "plan") -> Plan:
@@ -116,9 +147,16 @@ class Plan:
             raise PlanError(
                 f"{source}: a plan is a mapping with 'rules' (and optionally 'strict'); got {type(d).__name__}."
             )
-        unknown = set(d) - {"strict", "rules"}
+        unknown = set(d) - {"strict", "rules", "batchnorm"}
         if unknown:
-            raise PlanError(f"{source}: unknown plan keys {sorted(unknown)}; a plan has 'rules' and 'strict'.")
+            raise PlanError(
+                f"{source}: unknown plan keys {sorted(unknown)}; a plan has 'rules', 'strict' and 'batchnorm'."
+            )
+        batchnorm = d.get("batchnorm", "keras")
+        if batchnorm not in BATCHNORM:
+            raise PlanError(
+                f"{source}: 'batchnorm' must be one of {', '.join(map(repr, BATCHNORM))}, got {batchnorm!r}."
+            )
         strict = d.get("strict", True)
         if not isinstance(strict, bool):
             raise PlanError(f"{source}: 'strict' must be true or false, got {strict!r}.")
@@ -161,7 +199,7 @@ class Plan:
                 rules.append((freeze if action == "freeze" else train)(r[action], **kwargs))
             except PlanError as e:
                 raise PlanError(f"{where}: {e}") from None
-        return cls(rules, strict=strict)
+        return cls(rules, strict=strict, batchnorm=batchnorm)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan to ``.json``, ``.toml`` or ``.yaml``/``.yml``.

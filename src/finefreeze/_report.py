@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from finefreeze._resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
+from finefreeze._state_size import optimizer_state
+from finefreeze._summary_groups import batchnorm_line, build_groups
 
 __all__ = ["build_report", "format_summary"]
 
 
 def _decider(plan, idx: int) -> str:
+    if idx >= len(plan.rules):
+        return f"batchnorm={plan.batchnorm!r}"
     return "keras state" if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
 
 
@@ -15,6 +19,7 @@ def build_report(frz) -> dict:
     res = frz.resolution
     plan = res.plan
     variables = []
+    state_label, slots = optimizer_state(frz)
     for s in res.states:
         size = s.info.size
         strategy = frz.strategy_for(s.path) if s.state == PARTIAL else None
@@ -38,6 +43,7 @@ def build_report(frz) -> dict:
                 "strategy": strategy,
                 "lr_scale": s.lr_scale,
                 "adam_state_elements": adam,
+                "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
                 "decided_by": [{"rule": _decider(plan, i), "elements": n} for i, n in s.decided_by],
             }
         )
@@ -52,6 +58,7 @@ def build_report(frz) -> dict:
                 "frozen_elements": 0,
                 "untrained_elements": 0,
                 "adam_state_elements": 0,
+                "optimizer_state_elements": 0,
                 "variables": [],
             },
         )
@@ -60,6 +67,7 @@ def build_report(frz) -> dict:
         row["frozen_elements"] += v["frozen_elements"]
         row["untrained_elements"] += v["elements"] if v["state"] == UNTRAINED else 0
         row["adam_state_elements"] += v["adam_state_elements"]
+        row["optimizer_state_elements"] += v["optimizer_state_elements"]
         row["variables"].append(v["path"])
     for row in layers.values():
         trainable = row["elements"] - row["untrained_elements"]
@@ -76,6 +84,7 @@ def build_report(frz) -> dict:
         "frozen_elements": sum(v["frozen_elements"] for v in variables),
         "untrained_elements": sum(v["elements"] for v in variables if v["state"] == UNTRAINED),
         "adam_state_elements": sum(v["adam_state_elements"] for v in variables),
+        "optimizer_state_elements": sum(v["optimizer_state_elements"] for v in variables),
         "by_state": {k: sum(1 for v in variables if v["state"] == k) for k in (TRAINABLE, PARTIAL, FROZEN, UNTRAINED)},
     }
     decided: dict[int, int] = {}
@@ -87,8 +96,10 @@ def build_report(frz) -> dict:
         for i, r in enumerate(plan.rules)
         if not r.freezes and r.lr_scale is not None and r.lr_scale != 1.0
     ]
-    return {
+    rep = {
         "plan": [repr(r) for r in plan.rules],
+        "optimizer_state": state_label,
+        "batchnorm": batchnorm_line(plan.batchnorm),
         "lr_scales": lr_scales,
         "strategy": frz.strategy,
         "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
@@ -97,6 +108,8 @@ def build_report(frz) -> dict:
         "totals": totals,
         "history": list(getattr(frz, "_history", [])),
     }
+    rep["groups"] = build_groups(frz, rep)
+    return rep
 
 
 def _fmt_state(v) -> str:
@@ -147,7 +160,8 @@ _LEGEND_RULES = 20  # rules listed above the table; the rest are counted
 
 def format_summary(rep: dict, *, variables: bool = True) -> str:
     by_path = {v["path"]: v for v in rep["variables"]}
-    head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", "Adam state", "Decided by")
+    label = rep.get("optimizer_state", "Adam state")
+    head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", label, "Decided by")
     rows = []
     for layer in rep["layers"]:
         own = [by_path[p] for p in layer["variables"]]
@@ -160,7 +174,7 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
                 f"{layer['trainable_elements']:,}",
                 f"{layer['frozen_elements']:,}",
                 _fmt_state(layer),
-                f"{layer['adam_state_elements']:,}",
+                f"{layer['optimizer_state_elements']:,}",
                 _rule_numbers(d for v in own for d in v["decided_by"]),
             )
         )
@@ -177,7 +191,7 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
                         f"{v['trainable_elements']:,}",
                         f"{v['frozen_elements']:,}",
                         state,
-                        f"{v['adam_state_elements']:,}",
+                        f"{v['optimizer_state_elements']:,}",
                         deciders,
                     )
                 )
@@ -198,13 +212,15 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
     if len(rep["plan"]) > _LEGEND_RULES:
         out.append(f"  … and {len(rep['plan']) - _LEGEND_RULES} more rules (all in report()['plan'])")
     out += [rule, line(head), rule]
+    if rep.get("batchnorm"):
+        out.insert(1, rep["batchnorm"])
     out += [line(r) for r in rows]
     out.append(rule)
     pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
     out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% of what Keras trains)")
     out.append(f"Frozen elements:    {t['frozen_elements']:,}")
     out.append(f"Not trained by Keras (moving statistics etc.): {t['untrained_elements']:,}")
-    out.append(f"Optimizer state with Adam: {t['adam_state_elements']:,} elements")
+    out.append(f"Optimizer {label}: {t['optimizer_state_elements']:,} elements")
     if rep["frozen_layers"]:
         names = rep["frozen_layers"]
         text = f"Frozen as layers (inference mode): {', '.join(names)}"

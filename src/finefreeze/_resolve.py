@@ -19,6 +19,8 @@ from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._masks import ElementMask
 from finefreeze._plan import Plan
 from finefreeze._rules import Rule
+from finefreeze._scopes import ambiguity_note
+from finefreeze._selectors import match_all
 from finefreeze._targets import Target, VarInfo
 
 __all__ = ["VarState", "Resolution", "resolve"]
@@ -127,7 +129,7 @@ def _broadcast(i, rule, vi, arr, what) -> np.ndarray:
         ) from None
 
 
-def _element_selection(i: int, rule: Rule, vi: VarInfo) -> np.ndarray | None:
+def _element_selection(i: int, rule: Rule, vi: VarInfo, cache: dict | None = None) -> np.ndarray | None:
     """Elements of ``vi`` the rule picks (bool array), or None for all of them."""
     if not rule.picks_elements:
         return None
@@ -135,7 +137,13 @@ def _element_selection(i: int, rule: Rule, vi: VarInfo) -> np.ndarray | None:
     if rule.index is not None:
         sel &= rule.index.mask(vi.shape, _where(i, rule, vi))
     if rule.mask is not None:
-        sel &= _broadcast(i, rule, vi, rule.mask, "mask")
+        key = (i, vi.shape)
+        if cache is None or key not in cache:
+            got = _broadcast(i, rule, vi, rule.mask, "mask")
+            if cache is None:
+                cache = {}
+            cache[key] = got
+        sel &= cache[key]
     if rule.indices is not None:
         pick = np.zeros(vi.shape, dtype=bool)
         for t in rule.indices:
@@ -178,15 +186,15 @@ def resolve(plan: Plan, target: Target) -> Resolution:
         PlanError: a rule selects nothing (strict), element pickers do not fit,
             or nothing is left to train.
     """
-    rules = plan.rules
+    rules = plan.all_rules  # the plan's rules, then the one its batchnorm option adds
     n_rules = len(rules)
     hits = [0] * n_rules
     freezes = np.array([False] + [r.freezes for r in rules])  # index 0 = Keras state
     scales = np.array([1.0] + [r.lr_scale if r.lr_scale is not None else 1.0 for r in rules])
     states = []
     untrained_hits: list[list[str]] = [[] for _ in rules]
-    for vi in target.variables:
-        matching = [i for i, r in enumerate(rules) if r.selector.matches(vi, target)]
+    masks: dict = {}  # a rule's mask= broadcast to a shape, computed once
+    for vi, matching in zip(target.variables, _matching(rules, target)):
         if not vi.base_trainable:
             for i in matching:
                 untrained_hits[i].append(vi.path)
@@ -195,7 +203,7 @@ def resolve(plan: Plan, target: Target) -> Resolution:
         uniform = -1  # index into rules, -1 = Keras state
         dec = None  # per-element decider array (rule index + 1), when needed
         for i in matching:
-            sel = _element_selection(i, rules[i], vi)
+            sel = _element_selection(i, rules[i], vi, masks)
             if sel is None:
                 uniform, dec = i, None
                 hits[i] += 1
@@ -217,7 +225,27 @@ def resolve(plan: Plan, target: Target) -> Resolution:
             f"{target.kind} target ({len(states)} variables); add a train(...) rule "
             "or narrow a freeze(...) rule."
         )
-    return Resolution(plan, target, tuple(states), _frozen_bn_layers(target, states))
+    frozen_bn = () if plan.batchnorm == "stats" else _frozen_bn_layers(target, states)
+    return Resolution(plan, target, tuple(states), frozen_bn)
+
+
+def _matching(rules, target) -> list[list[int]]:
+    """For each variable of ``target``, the indices of the rules whose selector matches it, in order."""
+    matches = [match_all(r.selector, target) for r in rules]
+    if any(m is None for m in matches):
+        return [
+            [
+                i
+                for i, r in enumerate(rules)
+                if (r.selector.matches(vi, target) if matches[i] is None else n in matches[i])
+            ]
+            for n, vi in enumerate(target.variables)
+        ]
+    per_var: list[list[int]] = [[] for _ in target.variables]
+    for i, m in enumerate(matches):
+        for n in m:
+            per_var[n].append(i)
+    return per_var
 
 
 def _state(vi, uniform, dec, freezes, scales) -> VarState:
@@ -230,8 +258,8 @@ def _state(vi, uniform, dec, freezes, scales) -> VarState:
             ((uniform, vi.size),),
             lr_scale=float(scales[uniform + 1]),
         )
-    ids, counts = np.unique(dec, return_counts=True)
-    decided = tuple((int(k) - 1, int(c)) for k, c in zip(ids, counts))
+    counts = np.bincount(dec.reshape(-1), minlength=len(freezes))
+    decided = tuple((int(k) - 1, int(counts[k])) for k in np.flatnonzero(counts))
     frozen = freezes[dec]
     n_frozen = int(np.count_nonzero(frozen))
     train_scales = {float(scales[k + 1]) for k, _ in decided if not freezes[k + 1]}
@@ -261,6 +289,9 @@ def _check_hits(plan, target, hits, untrained_hits):
             why = "it matches variables but zero of their elements"
         else:
             why = "no variable path matches it"
+            regex = getattr(rule.selector, "regex", None)
+            if regex is not None and target.ambiguous:
+                why += ambiguity_note(regex, target.ambiguous)
         msg = (
             f"rule {i + 1} {rule!r} selects nothing: {why}. Closest existing "
             f"paths: {', '.join(_closest(text, paths))}. Fix the selector, or "

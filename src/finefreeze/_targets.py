@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from finefreeze._backend import to_numpy
 from finefreeze._errors import PlanError
+from finefreeze._scopes import drop_ambiguous_aliases, scoped_aliases
 
 __all__ = ["VarInfo", "Target", "collect", "var_path"]
 
@@ -82,7 +82,9 @@ class VarInfo:
 
     def numpy(self):
         """The variable's current value as a numpy array (``where=`` reads it)."""
-        return to_numpy(self.variable)
+        from finefreeze._read import read
+
+        return read(self.variable)
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,8 +93,11 @@ class Target:
     kind: str  # "keras" | "module" | "variables"
     variables: list[VarInfo]
     layers: list[Any]  # every layer / submodule, deduplicated
+    # a scoped name (a nested layer's name added to a path) that names several variables
+    ambiguous: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        self._name_index = None  # every name joined once, for selectors that match all variables at once
         self._class_ids: dict = {}
         self._inst_ids: dict = {}
 
@@ -126,10 +131,9 @@ def _layer_weights(obj):
 
 
 def _shape_dtype(v):
-    shape = tuple(int(d) for d in v.shape)
+    shape = tuple(map(int, v.shape))
     dt = v.dtype
-    dtype = getattr(dt, "name", None) or str(dt)
-    return shape, dtype
+    return shape, dt if isinstance(dt, str) else (getattr(dt, "name", None) or str(dt))
 
 
 def _tf():
@@ -186,7 +190,7 @@ def _collect_keras(root) -> Target:
     layer_ids: set[int] = set()
     root_trainable = base_trainable(root)
 
-    def walk(layer):
+    def walk(layer, scope):
         if id(layer) in layer_ids:
             return
         layer_ids.add(id(layer))
@@ -196,10 +200,11 @@ def _collect_keras(root) -> Target:
                 continue
             seen.add(id(v))
             shape, dtype = _shape_dtype(v)
+            path = var_path(v)
             infos.append(
                 VarInfo(
-                    path=var_path(v),
-                    names=(var_path(v),),
+                    path=path,
+                    names=(path, *scoped_aliases(path, scope)),
                     variable=v,
                     raw=getattr(v, "value", v) if isinstance(v, keras.Variable) else v,
                     shape=shape,
@@ -210,12 +215,13 @@ def _collect_keras(root) -> Target:
                 )
             )
         for sub in layer._layers:
-            walk(sub)
+            walk(sub, (*scope, sub.name))
 
-    walk(root)
+    walk(root, ())
     order = {id(v): i for i, v in enumerate(root.weights)}
     infos.sort(key=lambda vi: order.get(id(vi.variable), len(order)))
-    return Target(root, "keras", infos, layers)
+    ambiguous = drop_ambiguous_aliases(infos)
+    return Target(root, "keras", infos, layers, ambiguous)
 
 
 def _collect_list(variables) -> Target:
