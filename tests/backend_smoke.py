@@ -78,6 +78,14 @@ def main(out: str) -> None:
     print("save_delta, load_delta: bit-identical")
 
     if keras.backend.backend() != "tensorflow":
+        try:
+            ff.select(model(), (x, y), budget=5, score="fisher", loss="mse")
+            raise AssertionError("select(score='fisher') ran without TensorFlow")
+        except ff.PlanError as e:
+            assert "needs KERAS_BACKEND=tensorflow" in str(e), e
+        chosen = ff.select(model(), budget=5, score="magnitude")
+        assert sum(int((~ff.Freezer(model(), chosen).frozen_mask(p)).sum()) for p in ("m/backbone/kernel",)) <= 5
+        print("select: magnitude runs; data scores say they need TensorFlow")
         # (Keras itself imports TensorFlow, when installed, in set_random_seed and model.save)
         assert "tensorflow" not in sys.modules, "TensorFlow was imported"
         print("TensorFlow never imported")

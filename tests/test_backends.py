@@ -14,8 +14,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def run_on(backend: str, *args: str, cwd=ROOT, timeout=1200) -> subprocess.CompletedProcess:
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT / "src"))
+def run_on(backend: str, *args: str, cwd=ROOT, timeout=1200, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT / "src"), **env_vars)
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -39,6 +39,8 @@ def test_backend_neutral_suite_on_jax():
 
 @pytest.mark.slow
 def test_keras_distribution_on_two_jax_devices():
-    got = run_on("jax", str(ROOT / "tests" / "backend_distribution.py"))
+    got = run_on(
+        "jax", str(ROOT / "tests" / "backend_distribution.py"), XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     assert got.stdout.strip().splitlines()[-1] == "OK"

@@ -122,3 +122,22 @@ def test_affine_trains_gamma_beta_in_inference_mode():
     assert not np.array_equal(model.get_layer("block0_bn").gamma.numpy(), np.ones(4, "float32"))
     frz.update(ff.Plan([ff.freeze("**"), ff.train("head/**")]))  # back to Keras' BatchNorm
     assert "call" not in model.get_layer("block0_bn").__dict__
+
+
+def test_gradual_unfreezing_keeps_the_plans_batchnorm_option():
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((4,))]
+    for i in range(3):
+        layers += [keras.layers.Dense(4, name=f"block{i}"), keras.layers.BatchNormalization(name=f"block{i}_bn")]
+    m = keras.Sequential([*layers, keras.layers.Dense(2, name="head")], name="m")
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train("**/head/**")], batchnorm="frozen"))
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.05)), loss="mse")
+    bn = {v.path: np.array(v.numpy(), copy=True) for v in m.weights if "_bn/" in v.path}
+    kernel = np.array(m.get_layer("block2").kernel.numpy(), copy=True)
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    cb = ff.callbacks.GradualUnfreezing(["**/block2*/**", "**/block1*/**"])
+    m.fit(x, np.ones((16, 2), "float32"), epochs=3, batch_size=8, verbose=0, callbacks=[cb])
+    assert frz.plan.batchnorm == "frozen"
+    assert all(np.array_equal(bn[p], v.numpy()) for p, v in ((v.path, v) for v in m.weights if v.path in bn))
+    assert not np.array_equal(m.get_layer("block2").kernel.numpy(), kernel)  # released: trained
+    frz.verify()

@@ -299,3 +299,36 @@ def test_an_interrupt_python_drops_in_a_callback_still_stops_the_command():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["after the callback", "stopped"]
     assert proc.stderr == ""  # no "Exception ignored in ... KeyboardInterrupt" traceback
+
+
+def test_force_never_replaces_files_no_run_wrote(tmp_path, capsys):
+    """Names like ours without a report.json are someone else's files: refused even with --force."""
+    out = tmp_path / "mine"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard" / "notes.txt").write_text("mine")
+    (out / "base.keras").write_bytes(b"not ours")
+    before = tree(out)
+    assert main(["finetune", "--out", str(out), "--force", "-q"]) == 2
+    one_error_line(capsys.readouterr().err, "no finefreeze run wrote", "base.keras", "tensorboard")
+    assert tree(out) == before
+
+
+def test_delta_export_that_cannot_write_is_one_line_exit_2(done, capsys):
+    assert main(["delta", "export", str(done / "tuned.keras"), "-o", "/proc/finefreeze-test.safetensors"]) == 2
+    one_error_line(capsys.readouterr().err)
+
+
+def test_budget_without_select_and_finetune_on_jax_are_refused(tmp_path, capsys):
+    assert main(["finetune", "--budget", "0.05", "--out", str(tmp_path / "o"), "-q"]) == 2
+    one_error_line(capsys.readouterr().err, "--budget goes with --select")
+    env = dict(ENV, KERAS_BACKEND="jax")
+    proc = subprocess.run(
+        [sys.executable, "-m", "finefreeze", "finetune", "--out", str(tmp_path / "j"), "-q"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    one_error_line(proc.stderr, "runs on the TensorFlow backend")
+    assert not (tmp_path / "j").exists()

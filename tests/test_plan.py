@@ -103,3 +103,10 @@ def test_import_does_not_load_optional_extras():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "FreezeBoard"
+
+
+def test_batchnorm_survives_every_plan_file_format(tmp_path):
+    plan = ff.Plan([ff.freeze("**"), ff.train("head/**")], batchnorm="affine")
+    for suffix in (".json", ".toml", ".yaml"):
+        plan.save(tmp_path / f"p{suffix}")
+        assert ff.Plan.load(tmp_path / f"p{suffix}") == plan, suffix

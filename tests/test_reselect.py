@@ -148,3 +148,18 @@ def test_a_plan_without_partial_variables_is_refused_before_the_first_step():
     with pytest.raises(ff.PlanError, match="no partially frozen variable"):
         m.fit(x, y, verbose=0, callbacks=[ff.callbacks.Reselect((x, y), every=2)])
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, m.weights))
+
+
+def test_reselect_outside_fit_and_the_plan_keeps_its_batchnorm_option():
+    m = mlp(units=(16, 16, 4), bn=True)
+    x, y = data()
+    chosen = ff.select(m, (x, y), budget=0.1, score="fisher", loss=LOSS, include="**/head/**", verbose=0)
+    frz = ff.Freezer(m, ff.Plan(chosen.rules, batchnorm="frozen"))
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=LOSS)
+    m.fit(x, y, batch_size=8, verbose=0)
+    cb = ff.callbacks.Reselect((x, y), every=3, freezer=frz)
+    cb.set_model(m)
+    plan = cb.reselect()  # a public method: works outside fit too
+    assert plan is frz.plan and plan.batchnorm == "frozen"
+    assert cb.swaps and sum(cb.swaps[-1]["swapped"].values()) > 0
+    frz.verify()

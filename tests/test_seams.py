@@ -470,3 +470,11 @@ def test_a_loaded_freezer_history_starts_at_the_saved_step(tmp_path):
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert ff.Freezer.of(loaded).history[0]["step"] == 4
+
+
+def test_a_layer_switched_off_by_hand_is_said_at_wrap():
+    model = two_layers()
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("a/**")]))
+    model.get_layer("b").trainable = False  # after the Freezer: Keras will not train b
+    with pytest.warns(ff.FreezeWarning, match=r"the plan trains b/kernel, b/bias, but Keras' trainable flag is off"):
+        frz.wrap(keras.optimizers.Adam())

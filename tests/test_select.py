@@ -380,3 +380,10 @@ def test_large_masks_are_written_packed_and_read_back_exactly(tmp_path):
 def test_a_malformed_packed_mask_is_a_plan_error(mask, match):
     with pytest.raises(ff.PlanError, match=match):
         ff.Plan.from_dict({"rules": [{"train": "**/kernel", "mask": mask}]})
+
+
+def test_data_that_does_not_fit_the_model_is_a_plan_error():
+    m = mlp(units=(8, 4), input_dim=6)
+    x, y = np.ones((16, 3), "float32"), np.zeros(16, "int32")  # 3 features for a model of 6
+    with pytest.raises(ff.PlanError, match="select: the data does not fit the model"):
+        ff.select(m, (x, y), budget=3, loss=LOSS, verbose=0)

@@ -35,12 +35,13 @@ def test_densenet_summary_stays_readable_and_the_report_keeps_everything():
     frz = ff.Freezer(model, plan)
     rep = frz.report()
     for variables in (True, False):
-        lines = frz.summary(variables=variables).splitlines()
+        lines = frz.summary(variables=variables, detail=True).splitlines()
         assert max(map(len, lines)) <= 132, max(lines, key=len)
         for row in table_rows("\n".join(lines)):
             assert len(re.split(r"\s{2,}", row.strip())) == 8, row
-    text = frz.summary()
+    text = frz.summary(detail=True)
     assert "…" in text
+    assert max(map(len, frz.summary().splitlines())) <= 132  # the grouped view, the default on a model this size
     frozen_line = next(line for line in text.splitlines() if line.startswith("Frozen as layers"))
     assert f"({len(rep['frozen_layers'])} layers; all in report()['frozen_layers'])" in frozen_line
     assert len(rep["frozen_layers"]) > 100 and repr(long_rule) in rep["plan"]

@@ -174,15 +174,26 @@ class Staging:
         force: allow replacing a previous run's files (else :class:`UserError`
             naming ``--force``).
         inputs: the command's input files; none of them may be replaced.
+        marker: a name every complete run writes; a folder holding some of
+            ``names`` but not the marker holds someone else's files, which
+            are refused even with ``force``.
     """
 
-    def __init__(self, out: str, names: Iterable[str], *, force: bool, inputs: Iterable[str | None]):
+    def __init__(
+        self, out: str, names: Iterable[str], *, force: bool, inputs: Iterable[str | None], marker: str | None = None
+    ):
         self.out = os.fspath(out)
         self.names = list(names)
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise UserError(f"--out {self.out!r} is a file, not a folder; choose a folder")
         used = [n for n in self.names if os.path.lexists(os.path.join(self.out, n))]
         refuse_overwrite([os.path.join(self.out, n) for n in used], inputs, "finetune")
+        if used and marker is not None and marker not in used:
+            # names like ours, but no run of ours wrote them: never replace them, not even with --force
+            raise UserError(
+                f"--out {self.out!r} holds {', '.join(used)} that no finefreeze run wrote (no {marker}); "
+                "choose another --out"
+            )
         if used and not force:
             raise UserError(
                 f"--out {self.out!r} holds files of another run ({', '.join(used)}); "

@@ -41,8 +41,17 @@ def _bundled_model():
 
 
 def cmd_finetune(args) -> int:
+    import keras
+
     from finefreeze._finetune import finetune
 
+    if keras.backend.backend() != "tensorflow":
+        raise UserError(
+            f"finetune runs on the TensorFlow backend (KERAS_BACKEND={keras.backend.backend()} is set); "
+            "unset KERAS_BACKEND or set it to tensorflow"
+        )
+    if args.budget is not None and args.select is None:
+        raise UserError("--budget goes with --select SCORE (it is the size of the selection)")
     with tempfile.TemporaryDirectory() as scratch:  # nothing lands in --out before finetune's own checks
         plan = args.plan
         if args.select is not None:  # choose the plan from the training data first
@@ -50,7 +59,8 @@ def cmd_finetune(args) -> int:
                 raise UserError("--select and --plan exclude each other: --select writes the plan")
             from finefreeze._selectfile import select_to_file
 
-            plan = select_to_file(args.model, args.data, score=args.select, budget=args.budget, out=scratch)
+            budget = "0.01" if args.budget is None else args.budget
+            plan = select_to_file(args.model, args.data, score=args.select, budget=budget, out=scratch)
         result = finetune(
             args.model,
             data=args.data,
@@ -194,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
     )
     ft.add_argument(
-        "--budget", default="0.01", help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
+        "--budget", default=None, help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
     )
 
     ins = _command(

@@ -81,7 +81,7 @@ def stored_keys(p: str, info: dict, tensors: dict) -> list[str]:
 
 def write(tensors: dict[str, np.ndarray], variables: dict, plan: str, version: str, path: str) -> None:
     """Write a v2 delta to ``path`` (the caller makes it atomic)."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     table = {k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in tensors.items()}
@@ -93,7 +93,9 @@ def write(tensors: dict[str, np.ndarray], variables: dict, plan: str, version: s
         "tensors": json.dumps(table),
     }
     meta["checksum"] = _meta_checksum(meta)
-    save_file(tensors, path, metadata=meta)
+    data = save(tensors, metadata=meta)  # bytes; written here so that a failing write is an OSError
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _open(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:

@@ -146,7 +146,7 @@ def finetune(
     the_plan = load_plan(plan, model_file=model_path)
     if data is not None and not os.path.exists(data):
         raise UserError(f"data file {data!r} does not exist")
-    with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan)) as stage:
+    with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json") as stage:
         if selected:  # the plan --select chose is an output of this run
             shutil.copyfile(plan, stage.path("selected-plan.json"))
         what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"

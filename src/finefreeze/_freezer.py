@@ -251,8 +251,9 @@ class Freezer:
         """Live optimizers this Freezer wrapped, and a FreezingOptimizer compiled into its model."""
         from finefreeze._optimizer import find_freezing_optimizer
 
-        opts = [o for o in (r() for r in self._wrapped) if o is not None]
-        compiled = find_freezing_optimizer(self._target.obj)
+        opts = [o for o in (r() for r in getattr(self, "_wrapped", ())) if o is not None]
+        target = getattr(self, "_target", None)  # a graph Freezer has neither
+        compiled = find_freezing_optimizer(getattr(target, "obj", None))
         if compiled is not None and compiled.freezer is None and compiled not in opts:  # a loaded model's
             opts.append(compiled)
         return opts
@@ -436,6 +437,7 @@ class Freezer:
         from finefreeze._optimizer import FreezingOptimizer
 
         self._honour_keras_flags()
+        self._warn_switched_off()
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")
@@ -449,12 +451,30 @@ class Freezer:
         self._wrapped.append(weakref.ref(opt))
         return opt
 
+    def _warn_switched_off(self) -> None:
+        """Warn when Keras will not train variables the plan trains (a ``layer.trainable = False`` of the user's)."""
+        off = [
+            s.path
+            for s in self._res.states
+            if s.state in (TRAINABLE, PARTIAL) and s.info.is_keras and not s.variable.trainable
+        ]
+        if off:
+            shown = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
+            warnings.warn(
+                f"the plan trains {shown}, but Keras' trainable flag is off for them (a layer.trainable = False "
+                "set after the Freezer?): Keras computes no gradient for them, so they will not train. Put it "
+                "in the plan (frz.update(frz.plan.freeze(...))) or set the flag back.",
+                FreezeWarning,
+                stacklevel=3,
+            )
+
     def _honour_keras_flags(self) -> None:
         """Turn ``layer.trainable`` switches made since the flags were set into plan rules (with a warning)."""
         changes = flag_changes(self._target, self._res)
         if not changes:
             return
-        plan = Plan([*self._res.plan.rules, *(rule for _, rule in changes)], strict=self._res.plan.strict)
+        old = self._res.plan
+        plan = Plan([*old.rules, *(rule for _, rule in changes)], strict=old.strict, batchnorm=old.batchnorm)
         self.update(plan)
         what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
         warnings.warn(

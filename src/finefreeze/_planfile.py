@@ -85,7 +85,8 @@ def write_plan_file(d: dict, path: str) -> None:
     if ext == ".json":
         text = json.dumps(d, indent=2) + "\n"
     elif ext == ".toml":
-        lines = [f"strict = {_toml_value(d['strict'])}", ""]
+        # every top-level key (strict, batchnorm, ...) before the rule tables
+        lines = [f"{k} = {_toml_value(v)}" for k, v in d.items() if k != "rules"] + [""]
         for r in d["rules"]:
             lines.append("[[rules]]")
             lines += [f"{k} = {_toml_value(v)}" for k, v in r.items()]

@@ -10,7 +10,7 @@ import numpy as np
 from finefreeze._errors import PlanError
 from finefreeze._plan import Plan
 from finefreeze._rules import freeze, train
-from finefreeze._scores import stream_scores
+from finefreeze._scores import need_tensorflow, stream_scores
 from finefreeze._select import _rule_selector, top_k
 
 __all__ = ["Reselect"]
@@ -92,6 +92,7 @@ class Reselect(keras.callbacks.Callback):
         self.swaps: list[dict] = []  #: per reselection: step and elements swapped per variable
 
     def on_train_begin(self, logs=None):
+        need_tensorflow("gradient")
         self.freezer = _freezer_of(self.model, self._given)
         frz = self.freezer
         self._base = frz.plan
@@ -115,6 +116,8 @@ class Reselect(keras.callbacks.Callback):
 
     def reselect(self) -> Plan:
         """Swap elements now; return the plan put in force."""
+        if getattr(self, "freezer", None) is None:  # called outside fit: set up as at train begin
+            self.on_train_begin()
         frz = self.freezer
         grads = stream_scores(
             self.model,
@@ -143,7 +146,7 @@ class Reselect(keras.callbacks.Callback):
                 swapped[v.path] = d
             sel = _rule_selector(v.path)
             rules += [freeze(sel), train(sel, mask=trained)]
-        plan = Plan(rules)
+        plan = Plan(rules, strict=self._base.strict, batchnorm=self._base.batchnorm)
         frz.update(plan)
         self.swaps.append({"step": self._iterations(), "swapped": swapped})
         return plan

@@ -285,7 +285,7 @@ def _check_hits(plan, target, hits, untrained_hits):
                 f"it matches only variables Keras does not train "
                 f"({', '.join(untrained_hits[i][:3])}); those stay outside plans"
             )
-        elif rule.picks_elements:
+        elif rule.picks_elements and any(rule.selector.matches(vi, target) for vi in target.variables):
             why = "it matches variables but zero of their elements"
         else:
             why = "no variable path matches it"

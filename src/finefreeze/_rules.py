@@ -98,7 +98,7 @@ class Rule:
         return d
 
 
-PACKED_MASK_AT = 4096  #: masks with more elements are written packed, 1 bit per element
+PACKED_MASK_AT = 64  #: masks with more elements are written packed, 1 bit per element
 
 
 def encode_mask(mask: np.ndarray):

@@ -200,7 +200,7 @@ class GradualUnfreezing(_PlanCallback):
     def stage_plan(self, k: int) -> Plan:
         """The plan with the first ``k`` groups released."""
         rules = [r for g in self.groups[:k] for r in g]
-        return Plan([*self._base.rules, *rules], strict=self._base.strict)
+        return Plan([*self._base.rules, *rules], strict=self._base.strict, batchnorm=self._base.batchnorm)
 
     def _strip_groups(self, plan: Plan) -> Plan:
         """The plan before any group was released: ``plan`` less a released stage's rules at its end.
@@ -212,7 +212,7 @@ class GradualUnfreezing(_PlanCallback):
         for k in range(len(self.groups), 0, -1):
             tail = [repr(r) for g in self.groups[:k] for r in g]
             if len(rules) > len(tail) and rules[-len(tail) :] == tail:
-                return Plan(plan.rules[: -len(tail)], strict=plan.strict)
+                return Plan(plan.rules[: -len(tail)], strict=plan.strict, batchnorm=plan.batchnorm)
         return plan
 
     def on_train_begin(self, logs=None):

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from finefreeze._errors import PlanError
 
@@ -25,6 +24,31 @@ __all__ = ["SCORES", "batches", "loss_function", "stream_scores", "static_score"
 
 SCORES = ("fisher", "gradient", "magnitude", "delta", "random")
 DATA_SCORES = ("fisher", "gradient", "delta")
+
+
+class _TensorFlow:
+    """``tensorflow``, imported on first use: the data scores need it, the others and the JAX backend do not."""
+
+    def __getattr__(self, name):
+        import tensorflow
+
+        return getattr(tensorflow, name)
+
+
+tf = _TensorFlow()
+
+
+def need_tensorflow(score: str) -> None:
+    """Raise unless the data score ``score`` can run on the Keras backend in force.
+
+    Raises:
+        PlanError: on JAX or PyTorch (per-example gradients use ``tf.vectorized_map``).
+    """
+    if keras.backend.backend() != "tensorflow":
+        raise PlanError(
+            f"select: score {score!r} computes gradients with TensorFlow and needs KERAS_BACKEND=tensorflow "
+            f"(the backend is {keras.backend.backend()!r}); 'magnitude' and 'random' run on every backend."
+        )
 
 
 def _pair(b, where: str):

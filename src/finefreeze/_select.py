@@ -12,7 +12,7 @@ from finefreeze._errors import PlanError
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, UNTRAINED, resolve
 from finefreeze._rules import freeze, train
-from finefreeze._scores import DATA_SCORES, SCORES, static_score, stream_scores
+from finefreeze._scores import DATA_SCORES, SCORES, need_tensorflow, static_score, stream_scores
 from finefreeze._targets import collect
 
 __all__ = ["select", "top_k", "split_budget"]
@@ -186,6 +186,8 @@ def select(
         raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
     if per_example not in ("auto", "vectorized", "loop"):
         raise PlanError(f"select: per_example={per_example!r}; choose 'auto', 'vectorized' or 'loop'.")
+    if score in DATA_SCORES:
+        need_tensorflow(score)
     if score in DATA_SCORES and data is None:
         raise PlanError(
             f"select: score={score!r} needs data; pass data=(x, y), a tf.data.Dataset or an iterable of "
@@ -210,20 +212,31 @@ def select(
         raise PlanError("select: no element is left to choose from after include= and exclude=.")
     k = _budget(budget, n)
     if score in DATA_SCORES:
-        scores = stream_scores(
-            model,
-            [vi.variable for vi in cand],
-            data,
-            score=score,
-            loss=loss,
-            batch_size=batch_size,
-            limit=batches,
-            microbatch=microbatch,
-            per_example=per_example,
-            epochs=epochs,
-            optimizer=optimizer,
-            verbose=verbose,
-        )
+        try:
+            scores = stream_scores(
+                model,
+                [vi.variable for vi in cand],
+                data,
+                score=score,
+                loss=loss,
+                batch_size=batch_size,
+                limit=batches,
+                microbatch=microbatch,
+                per_example=per_example,
+                epochs=epochs,
+                optimizer=optimizer,
+                verbose=verbose,
+            )
+        except PlanError:
+            raise
+        except (ValueError, TypeError) as e:  # data that does not fit the model, as Keras says it
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Keras colours its messages
+            lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+            said = [ln for ln in lines if re.search(r"expected|incompatible|shape", ln)]  # what Keras says is off
+            first = (said or lines or [type(e).__name__])[0][:200]
+            raise PlanError(
+                f"select: the data does not fit the model ({first}); pass (x, y) batches the model takes, as for fit."
+            ) from None
     else:
         rng = np.random.default_rng(seed)
         scores = [static_score(score, np.asarray(vi.variable.numpy()), largest=largest, rng=rng) for vi in cand]
