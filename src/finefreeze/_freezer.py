@@ -456,7 +456,11 @@ class Freezer:
         off = [
             s.path
             for s in self._res.states
-            if s.state in (TRAINABLE, PARTIAL) and s.info.is_keras and not s.variable.trainable
+            if s.state in (TRAINABLE, PARTIAL)
+            and s.info.is_keras
+            and not s.variable.trainable
+            # the layer itself switched off: not the variable flags another Freezer of this model set
+            and getattr(s.info.owner, "trainable", True) is False
         ]
         if off:
             shown = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
