@@ -125,7 +125,8 @@ def stage_of(name: str) -> str:
     return _INDEX.sub("", last)
 
 
-def _flat(layer) -> list:
+def layers_under(layer) -> list:
+    """Layers under ``layer`` (not itself), outer before inner, each once."""
     out, seen = [], set()
 
     def walk(node):
@@ -181,8 +182,8 @@ def blocks(model: Any) -> Blocks:
 
     if not isinstance(model, keras.layers.Layer):
         raise PlanError(f"ff.blocks needs a Keras model or layer, got {type(model).__name__}.")
-    layers = _flat(model)
-    counts = {id(x): 1 + len(_flat(x)) for x in layers}
+    layers = layers_under(model)
+    counts = {id(x): 1 + len(layers_under(x)) for x in layers}
     levels: dict[str, dict[str, list]] = {}
     for layer in layers:
         tokens = layer.name.split("_")
@@ -205,6 +206,6 @@ def blocks(model: Any) -> Blocks:
     out = []
     for key, members in levels[best].items():
         names = tuple(x.name for x in members)
-        elements = sum(_size(x) for x in members if not any(x in _flat(y) for y in members if y is not x))
+        elements = sum(_size(x) for x in members if not any(x in layers_under(y) for y in members if y is not x))
         out.append(Block(key, stage_of(key), names, elements, _selector(key, names)))
     return Blocks(out)

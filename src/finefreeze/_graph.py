@@ -101,19 +101,9 @@ class GraphFreezer(Freezer):
         return self._graph
 
     @property
-    def plan(self) -> Plan:
-        """The plan in force."""
-        return self._res.plan
-
-    @property
     def strategy(self) -> str:
         """The requested strategy (``"auto"`` or ``"restore"``)."""
         return self._strategy
-
-    @property
-    def resolution(self) -> Resolution:
-        """The immutable resolution of the plan against the graph's variables."""
-        return self._res
 
     @property
     def trainable_variables(self) -> list:

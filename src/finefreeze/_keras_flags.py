@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 
+from finefreeze._blocks import layers_under as _walk
 from finefreeze._resolve import FROZEN, UNTRAINED
 from finefreeze._rules import Rule, freeze, train
 from finefreeze._scopes import layer_scope
@@ -27,21 +28,6 @@ __all__ = ["set_layer_flags", "flag_changes"]
 
 _SET = "_finefreeze_set_trainable"
 _CALL = "_finefreeze_inference_call"
-
-
-def _walk(root):
-    """Layers under ``root`` (not itself), outer before inner, each once."""
-    seen, out = set(), []
-
-    def go(node):
-        for sub in getattr(node, "_layers", ()):
-            if id(sub) not in seen:
-                seen.add(id(sub))
-                out.append(sub)
-                go(sub)
-
-    go(root)
-    return out
 
 
 def _walk_with_parents(root):

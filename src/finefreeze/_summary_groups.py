@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from finefreeze._blocks import _flat, blocks
+from finefreeze._blocks import blocks, layers_under
 
 __all__ = ["batchnorm_line", "build_groups", "format_groups", "wants_detail", "MAX_ROWS", "SCREEN", "WIDTH"]
 
@@ -28,13 +28,13 @@ def _block_of_owner(model) -> dict[int, tuple[str, str]]:
     found = blocks(model)
     if not found:
         return out
-    by_name = {x.name: x for x in [model, *_flat(model)]}
+    by_name = {x.name: x for x in [model, *layers_under(model)]}
     for b in found:
         for name in b.layers:
             layer = by_name.get(name)
             if layer is None:
                 continue
-            for x in [layer, *_flat(layer)]:
+            for x in [layer, *layers_under(layer)]:
                 out.setdefault(id(x), (b.name, b.stage))
     return out
 
