@@ -10,6 +10,8 @@ import keras
 
 BACKEND = keras.backend.backend()
 MODES = {"tensorflow": ["eager", "graph", "xla"], "jax": ["eager", "jit"], "torch": ["eager"]}[BACKEND]
+#: The mode Keras' trainer runs by default: a traced graph, a jitted step, PyTorch eager.
+COMPILED = MODES[1] if len(MODES) > 1 else MODES[0]
 
 
 def gradients(loss_fn, variables):
@@ -46,6 +48,8 @@ def train_step(opt, variables, loss_fn, mode):
         import tensorflow as tf
 
         return tf.function(step, jit_compile=(mode == "xla"))
+    if BACKEND != "jax" or mode != "jit":
+        raise ValueError(f"no mode {mode!r} on {BACKEND}; modes here: {MODES}")
     import jax
 
     opt.build(variables) if not opt.built else None

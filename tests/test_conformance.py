@@ -18,7 +18,7 @@ import pytest
 from keras import ops
 
 import finefreeze as ff
-from backend_utils import MODES, gradients, train_step
+from backend_utils import COMPILED, MODES, gradients, train_step
 from optimizers import OPTIMIZERS, WRAPPERS
 
 WARM, STEPS = 3, 4
@@ -148,11 +148,11 @@ def test_compact_and_restore_train_the_same_values(name):
         ws, x, y = make_problem(seed=3)
         frz = ff.Freezer(ws, ff.Plan(), strategy=strategy)
         opt = frz.wrap(OPTIMIZERS[name]())
-        step = runner(opt, frz.trainable_variables, ws, x, y, "graph")
+        step = runner(opt, frz.trainable_variables, ws, x, y, COMPILED)
         for _ in range(WARM):
             step()
         frz.update(FROZEN_PLAN)
-        step = runner(opt, frz.trainable_variables, ws, x, y, "graph")
+        step = runner(opt, frz.trainable_variables, ws, x, y, COMPILED)
         for _ in range(STEPS):
             step()
         opt.finalize_variable_values(frz.trainable_variables)

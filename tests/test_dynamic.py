@@ -11,6 +11,11 @@ import finefreeze as ff
 from optimizers import OPTIMIZERS
 
 TRACES = []
+# PyTorch runs Keras' train step eagerly: no trace to count (the loss runs every
+# step), so there "no retrace" means the same train function and nothing more.
+TRACING = keras.backend.backend() != "torch"
+# Keras refuses steps_per_execution > 1 on PyTorch.
+SPE = [1, 2] if TRACING else [1]
 
 
 def counting_mse(y, p):
@@ -121,13 +126,13 @@ def test_element_mask_change_does_not_retrace_and_moves_the_frozen_set():
     frz.update(ff.Plan([ff.freeze("b/kernel[3:]")]))
     before = snapshot(model)
     fit(model, 1)
-    assert model.train_function is fn and len(TRACES) == traces
+    assert model.train_function is fn and (not TRACING or len(TRACES) == traces)
     after = snapshot(model)
     assert np.array_equal(before["b/kernel"][3:], after["b/kernel"][3:])
     assert not np.array_equal(before["b/kernel"][:3], after["b/kernel"][:3])
     frz.update(ff.Plan([ff.freeze("b/**")]))  # a variable-level change retraces
     fit(model, 1)
-    assert model.train_function is not fn and len(TRACES) > traces
+    assert model.train_function is not fn and (not TRACING or len(TRACES) > traces)
     frz.verify()
     assert [h["retraced"] for h in frz.history] == [False, False, True]
 
@@ -147,7 +152,7 @@ def test_compact_element_change_with_same_count_does_not_retrace_and_carries_sta
         new = next(v.numpy() for v in opt.inner_optimizer.variables if v.name == name)
         assert new[0] == old[1] and new[1] == 0.0, name  # (0,1) moved from slot 1 to 0; (0,2) fresh
     fit(model, 1)
-    assert model.train_function is fn and len(TRACES) == traces
+    assert model.train_function is fn and (not TRACING or len(TRACES) == traces)
     frz.verify()
 
 
@@ -196,7 +201,7 @@ def block_data(n=32):
     return np.random.default_rng(0).normal(size=(n, 8)), np.random.default_rng(1).normal(size=(n, 2))
 
 
-@pytest.mark.parametrize("spe", [1, 2])
+@pytest.mark.parametrize("spe", SPE)
 def test_gradual_unfreezing_releases_exactly_the_top_groups(spe):
     model, frz = head_only(keras.optimizers.AdamW(0.01), seed=11, steps_per_execution=spe)
     groups = [f"block_{i}/**" for i in (3, 2, 1, 0)]
@@ -265,12 +270,14 @@ def test_update_survives_save_and_load(tmp_path):
         assert np.array_equal(v, after[p]), p
 
 
-def test_freeze_schedule_with_steps_per_execution_changes_at_the_next_boundary():
-    model, frz = head_only(keras.optimizers.SGD(0.1), steps_per_execution=2)
+@pytest.mark.parametrize("spe", SPE)
+def test_freeze_schedule_with_steps_per_execution_changes_at_the_next_boundary(spe):
+    model, frz = head_only(keras.optimizers.SGD(0.1), steps_per_execution=spe)
     x, y = block_data(48)
     sched = ff.callbacks.FreezeSchedule({3: ff.Plan([ff.freeze("head/**")])}, by="step")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[sched])
-    assert [h["step"] for h in frz.history] == [0, 4]  # Keras calls back every 2 steps: 0, 2, 4
+    # Keras calls back every spe steps: with 2, at 0, 2, 4 -> the change lands at 4.
+    assert [h["step"] for h in frz.history] == [0, 4 if spe == 2 else 3]
     frz.verify()
 
 
@@ -291,7 +298,7 @@ def test_transition_under_mixed_precision():
 
 
 def test_freeze_schedule_by_epoch_with_validation_and_steps_per_execution():
-    model, frz = head_only(keras.optimizers.AdamW(0.01), steps_per_execution=2)
+    model, frz = head_only(keras.optimizers.AdamW(0.01), steps_per_execution=max(SPE))
     x, y = block_data()
     sched = ff.callbacks.FreezeSchedule({1: ff.Plan([ff.freeze("**"), ff.train("block_0/**")])})
     before = snapshot(model)

@@ -71,7 +71,11 @@ def _is_elementwise(opt) -> bool:
     import keras
 
     cls = type(opt)
-    return cls.__name__ in ELEMENTWISE and cls is getattr(keras.optimizers, cls.__name__, None)
+    keras_cls = getattr(keras.optimizers, cls.__name__, None)
+    if cls.__name__ not in ELEMENTWISE or keras_cls is None:
+        return False
+    # On PyTorch, Keras builds its own subclass of the same maths (torch_adam.Adam, ...).
+    return cls is keras_cls or (cls.__module__.startswith("keras.src.backend.") and issubclass(cls, keras_cls))
 
 
 def compact_refusal(opt) -> str | None:
