@@ -10,6 +10,13 @@ import keras
 
 BACKEND = keras.backend.backend()
 MODES = {"tensorflow": ["eager", "graph", "xla"], "jax": ["eager", "jit"], "torch": ["eager"]}[BACKEND]
+#: ``compile`` options of every way ``fit`` runs on the backend in force (PyTorch:
+#: ``jit_compile`` is torch.compile, not run; ``steps_per_execution`` > 1 is refused by Keras).
+FIT_MODES = {
+    "tensorflow": [{"run_eagerly": True}, {}, {"jit_compile": True}, {"steps_per_execution": 4}],
+    "jax": [{"run_eagerly": True}, {}, {"steps_per_execution": 4}],
+    "torch": [{"run_eagerly": True}, {}],
+}[BACKEND]
 #: The mode Keras' trainer runs by default: a traced graph, a jitted step, PyTorch eager.
 COMPILED = MODES[1] if len(MODES) > 1 else MODES[0]
 

@@ -13,11 +13,29 @@ BACKEND = keras.backend.backend()
 
 # Under KERAS_BACKEND=jax (or torch) only the backend-neutral test modules run
 # (tests/test_backends.py runs them so from the TensorFlow suite); the others
-# test TensorFlow-only features (tf.distribute, tf.Module, TensorBoard, the CLI).
-BACKEND_NEUTRAL = {"test_conformance.py", "test_dynamic.py", "test_plan.py", "test_index.py"}
+# test TensorFlow-only features (tf.distribute, tf.Module, raw tf.Variables, TF1
+# graphs) or run other backends in subprocesses themselves.
+BACKEND_NEUTRAL = {
+    "test_batchnorm_option.py",
+    "test_conformance.py",
+    "test_delta.py",
+    "test_delta_integrity.py",
+    "test_dynamic.py",
+    "test_errors.py",
+    "test_index.py",
+    "test_keras_flags.py",
+    "test_lr_scale.py",
+    "test_plan.py",
+    "test_real_models.py",
+    "test_resolve.py",
+    "test_seams.py",
+    "test_summary.py",
+    "test_training.py",
+}
+TENSORFLOW_HELPERS = {"multiworker_worker.py"}  # imported by --doctest-modules, and import TensorFlow
 if BACKEND != "tensorflow":
     collect_ignore = [p.name for p in __import__("pathlib").Path(__file__).parent.glob("test_*.py")]
-    collect_ignore = [n for n in collect_ignore if n not in BACKEND_NEUTRAL]
+    collect_ignore = [n for n in collect_ignore if n not in BACKEND_NEUTRAL] + sorted(TENSORFLOW_HELPERS)
 
 if BACKEND == "tensorflow":
     import tensorflow as tf

@@ -1,7 +1,8 @@
-"""The same plans, exactness and proof on JAX: the backend-neutral tests and a smoke run, in subprocesses.
+"""The same plans, exactness and proof on JAX and PyTorch: the backend-neutral tests and a smoke run, in subprocesses.
 
 Keras picks its backend once per process, so the TensorFlow suite runs the
-JAX checks in child processes with ``KERAS_BACKEND=jax``.
+other backends' checks in child processes with ``KERAS_BACKEND=jax`` or
+``torch``.
 """
 
 import os
@@ -19,18 +20,44 @@ def run_on(backend: str, *args: str, cwd=ROOT, timeout=1200, **env_vars: str) ->
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+OTHER_BACKENDS = ["jax", "torch"]
+
+
 @pytest.mark.slow
-def test_public_features_end_to_end_on_jax_without_tensorflow(tmp_path):
-    got = run_on("jax", str(ROOT / "tests" / "backend_smoke.py"), str(tmp_path), cwd=tmp_path)
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
+def test_public_features_end_to_end_never_import_tensorflow(backend, tmp_path):
+    got = run_on(backend, str(ROOT / "tests" / "backend_smoke.py"), str(tmp_path), cwd=tmp_path)
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     lines = got.stdout.strip().splitlines()
-    assert lines[-1] == "OK: jax"
+    assert lines[-1] == f"OK: {backend}"
     assert "TensorFlow never imported" in lines
 
 
 @pytest.mark.slow
-def test_backend_neutral_suite_on_jax():
-    got = run_on("jax", "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests")
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
+def test_public_features_end_to_end_where_tensorflow_is_not_installed(backend, tmp_path):
+    """Keras without TensorFlow takes other paths (saving, seeding): the same run with TensorFlow unimportable."""
+    script = [str(ROOT / "tests" / "without_tensorflow.py"), str(ROOT / "tests" / "backend_smoke.py"), str(tmp_path)]
+    got = run_on(backend, *script, cwd=tmp_path)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    assert got.stdout.strip().splitlines()[-1] == f"OK: {backend}"
+
+
+def test_the_import_hook_hides_tensorflow(tmp_path):
+    """What the run above relies on: Keras sees no TensorFlow, and importing it fails."""
+    (tmp_path / "imports_tf.py").write_text("import keras\nprint(keras.src.utils.module_utils.tensorflow.available)\n")
+    got = run_on("jax", str(ROOT / "tests" / "without_tensorflow.py"), str(tmp_path / "imports_tf.py"))
+    assert got.returncode == 0 and got.stdout.strip() == "False", got.stdout + got.stderr[-2000:]
+    (tmp_path / "imports_tf.py").write_text("import tensorflow\n")
+    got = run_on("jax", str(ROOT / "tests" / "without_tensorflow.py"), str(tmp_path / "imports_tf.py"))
+    assert got.returncode != 0 and "ModuleNotFoundError: import of tensorflow halted" in got.stderr, got.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
+def test_backend_neutral_suite_where_tensorflow_is_not_installed(backend):
+    hidden = str(ROOT / "tests" / "without_tensorflow.py")
+    got = run_on(backend, hidden, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests")
     tail = got.stdout[-3000:] + got.stderr[-2000:]
     assert got.returncode == 0, tail
     summary = got.stdout.strip().splitlines()[-1]

@@ -152,12 +152,33 @@ def _sparse_gradients(owner) -> bool:
     return keras.backend.backend() == "tensorflow" and isinstance(owner, keras.layers.Embedding)
 
 
-def _kind(strategy: str, n_trainable: int, size: int, variable, inner, sparse: bool = False) -> str:
-    """The concrete strategy of one partially frozen variable."""
+def _no_int64(size: int) -> bool:
+    """Whether flat indices into ``size`` elements need int64 and the backend has no int64 (JAX without x64)."""
+    import keras
+
+    if index_dtype(size) != "int64" or keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return not jax.config.jax_enable_x64
+
+
+def _kind(strategy: str, n_trainable: int, size: int, variable, inner, sparse: bool = False, path: str = "") -> str:
+    """The concrete strategy of one partially frozen variable.
+
+    Raises:
+        PlanError: explicit ``compact`` of a variable of 2**31 elements or more on JAX without x64.
+    """
     if strategy == "auto":
         small = n_trainable <= AUTO_COMPACT_AT_MOST * size
         allowed = compact_refusal(inner) is None and not _constrained(variable) and not sparse
-        return "compact" if small and allowed else "restore"
+        return "compact" if small and allowed and not _no_int64(size) else "restore"
+    if strategy == "compact" and _no_int64(size):
+        raise PlanError(
+            f"strategy='compact' on {path!r} ({size} elements) needs int64 flat indices, and JAX runs "
+            "without 64-bit integers: enable them before building the model "
+            "(jax.config.update('jax_enable_x64', True)) or use strategy='restore'."
+        )
     if strategy == "compact" and _constrained(variable):
         return "restore"  # a constraint acts on the whole variable
     return strategy
@@ -237,7 +258,8 @@ class Layout:
             elif kind == TRAINABLE:
                 entry = VarLayout(s.path, shape, "train", None, s.info.size, scale)
             else:
-                k = _kind(strategy, s.n_trainable, s.info.size, s.variable, inner, _sparse_gradients(s.info.owner))
+                sparse = _sparse_gradients(s.info.owner)
+                k = _kind(strategy, s.n_trainable, s.info.size, s.variable, inner, sparse, s.path)
                 entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale)
             pairs.append((s.variable, entry))
             if s.info.raw is not s.variable:

@@ -7,6 +7,7 @@ and the trainable state it had before any Freezer touched it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from finefreeze._errors import PlanError
@@ -137,9 +138,8 @@ def _shape_dtype(v):
 
 
 def _tf():
-    import tensorflow as tf
-
-    return tf
+    """``tensorflow`` if it is imported, else None: a tf.Module or tf.Variable cannot exist without it."""
+    return sys.modules.get("tensorflow")
 
 
 def collect(target) -> Target:
@@ -156,7 +156,7 @@ def collect(target) -> Target:
         t = _collect_list(target)
     else:
         tf = _tf()
-        if isinstance(target, tf.Module):
+        if tf is not None and isinstance(target, tf.Module):
             t = _collect_module(target)
         else:
             raise PlanError(
@@ -235,7 +235,7 @@ def _collect_list(variables) -> Target:
             raw, is_keras = v.value, True
         else:
             tf = tf or _tf()
-            if not isinstance(v, tf.Variable):
+            if tf is None or not isinstance(v, tf.Variable):
                 raise PlanError(
                     f"target list item {i} is a {type(v).__name__}, not a variable; "
                     "pass keras.Variable or tf.Variable objects."
