@@ -10,7 +10,8 @@ specific lives here and nowhere else:
   values under ``tf.init_scope``.
 - JAX and PyTorch: plain ``variable.assign`` (inside JAX's stateless,
   jitted train step the assignments are recorded by Keras' StatelessScope);
-  compact results are written with a functional ``scatter_update``.
+  compact results are written with a functional ``scatter_update`` into the
+  flattened value; a JAX snapshot is the (immutable) value itself.
 
 TensorFlow is imported only when it is the Keras backend.
 """
@@ -62,10 +63,16 @@ def native(v):
 
 
 def snapshot(v):
-    """A tensor holding the variable's value now, unaffected by later writes."""
+    """A tensor holding the variable's value now, unaffected by later writes.
+
+    JAX arrays are immutable: the value itself (a copy would cost a pass over
+    the variable inside the jitted step). PyTorch updates in place: a copy.
+    """
     tf = tensorflow()
     if tf is not None:
         return tf.identity(native(v))
+    if keras.backend.backend() == "jax":
+        return v.value
     return keras.ops.copy(v.value)
 
 
@@ -100,14 +107,24 @@ def _tf_scatter(var, indices, values):
     return var.scatter_nd_update(indices, values)
 
 
-def _functional_scatter(var, indices, values):
-    return var.assign(keras.ops.scatter_update(var.value, indices, values))
+def _functional_scatter(var, flat_index, values):
+    flat = keras.ops.reshape(var.value, (-1,))
+    flat = keras.ops.scatter_update(flat, keras.ops.expand_dims(flat_index, 1), values)
+    return var.assign(keras.ops.reshape(flat, var.shape))
 
 
-def scatter_write(variable, indices, values) -> tuple:
-    """A write (for :func:`write_all`) that puts ``values`` at ``(k, ndim)`` ``indices`` of ``variable``."""
-    fn = _tf_scatter if tensorflow() is not None else _functional_scatter
-    return (variable, fn, (indices, values))
+def scatter_write(variable, flat_index, values) -> tuple:
+    """A write (for :func:`write_all`) that puts ``values`` at the flat indices ``flat_index`` of ``variable``.
+
+    TensorFlow scatters in place into the variable (``scatter_nd_update`` with
+    ``(k, ndim)`` indices); JAX and PyTorch scatter into the flattened value,
+    which needs no index arithmetic (XLA updates a donated buffer in place).
+    """
+    if tensorflow() is not None:
+        from finefreeze._strategies import unravel
+
+        return (variable, _tf_scatter, (unravel(flat_index, tuple(int(d) for d in variable.shape)), values))
+    return (variable, _functional_scatter, (flat_index, values))
 
 
 def write_all(writes) -> None:

@@ -99,7 +99,7 @@ class Enforcer:
             new = self.shadow.value
             if old is not None:
                 new = old + ops.cast(self.scale.value, ops.dtype(new)) * (new - old)
-            writes.append(scatter_write(self.variable, unravel(self.index.value, self.shape), new))
+            writes.append(scatter_write(self.variable, self.index.value, new))
             return
         if old is None:
             return
