@@ -60,7 +60,7 @@ class Freezer:
     def __new__(cls, *args: Any, **kwargs: Any):
         # tf.compat.v1 graph targets get the Freezer of _graph.py (imported here: it subclasses this one)
         target = args[0] if args else kwargs.get("target")
-        if cls is Freezer and "tensorflow" in sys.modules:
+        if cls is Freezer and sys.modules.get("tensorflow") is not None:
             from finefreeze._graph import GraphFreezer, is_graph_target
 
             if is_graph_target(target):
