@@ -17,6 +17,7 @@ BACKEND = keras.backend.backend()
 # graphs) or run other backends in subprocesses themselves.
 BACKEND_NEUTRAL = {
     "test_batchnorm_option.py",
+    "test_board_backends.py",
     "test_conformance.py",
     "test_delta.py",
     "test_delta_integrity.py",

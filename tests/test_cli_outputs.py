@@ -318,17 +318,7 @@ def test_delta_export_that_cannot_write_is_one_line_exit_2(done, capsys):
     one_error_line(capsys.readouterr().err)
 
 
-def test_budget_without_select_and_finetune_on_jax_are_refused(tmp_path, capsys):
+def test_budget_without_select_is_refused(tmp_path, capsys):
     assert main(["finetune", "--budget", "0.05", "--out", str(tmp_path / "o"), "-q"]) == 2
     one_error_line(capsys.readouterr().err, "--budget goes with --select")
-    env = dict(ENV, KERAS_BACKEND="jax")
-    proc = subprocess.run(
-        [sys.executable, "-m", "finefreeze", "finetune", "--out", str(tmp_path / "j"), "-q"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    one_error_line(proc.stderr, "runs on the TensorFlow backend")
-    assert not (tmp_path / "j").exists()
+    assert not (tmp_path / "o").exists()

@@ -26,6 +26,10 @@ class FreezeBoard(keras.callbacks.Callback):
     the plan blocked), at the
     optimizer's step.
 
+    The event files are the ones ``tf.summary`` writes, written by the
+    ``tensorboard`` package itself on every Keras backend: FreezeBoard never
+    imports TensorFlow.
+
     Args:
         log_dir: directory of the event files (created if needed).
         freezer: the :class:`Freezer`; defaults to the one whose ``wrap``
@@ -34,6 +38,9 @@ class FreezeBoard(keras.callbacks.Callback):
         images: ``"partial"`` or ``"all"``.
 
     Raises:
+        ImportError: when the ``tensorboard`` package is not installed
+            (``pip install tensorboard``).
+        ValueError: for an unknown ``images`` or a non-positive ``update_freq``.
         TypeError: at the start of ``fit``, when no Freezer is given and the
             model's optimizer is not a ``FreezingOptimizer`` made by
             ``Freezer.wrap``.
@@ -53,6 +60,9 @@ class FreezeBoard(keras.callbacks.Callback):
         self, log_dir: str | os.PathLike, freezer: Any = None, *, update_freq: int = 1, images: str = "partial"
     ):
         super().__init__()
+        from finefreeze._events import require_tensorboard
+
+        require_tensorboard("FreezeBoard")
         if images not in ("partial", "all"):
             raise ValueError(f"FreezeBoard(images={images!r}): choose 'partial' or 'all'.")
         if int(update_freq) < 1:
@@ -68,6 +78,12 @@ class FreezeBoard(keras.callbacks.Callback):
         self.last_gradient_norms: tuple[float, float] | None = None
 
     # -- plumbing --------------------------------------------------------------
+    def _sync(self) -> None:
+        """Bring the variables up to date: during an epoch Keras' JAX trainer holds their values outside them."""
+        sync = getattr(self.model, "jax_state_sync", None) if self.model is not None else None
+        if sync is not None:
+            sync()
+
     def _step(self) -> int:
         if self._opt is not None:
             return int(keras.ops.convert_to_numpy(self._opt.iterations))
@@ -75,50 +91,50 @@ class FreezeBoard(keras.callbacks.Callback):
 
     # -- what is written ------------------------------------------------------
     def write_plan(self, step: int | None = None) -> None:
-        """Write the summary table, frozen fractions and mask images now."""
-        import tensorflow as tf
+        """Write the summary table, frozen fractions and mask images now.
 
+        Args:
+            step: the step of the events; defaults to the optimizer's step.
+        """
         from finefreeze._maskview import frozen_fraction_image, to_rgb
 
+        self._sync()
         frz = self._freezer_now
         step = self._step() if step is None else step
         rep = frz.report()
-        with self._writer.as_default(step=step):
-            text = "```\n" + frz.summary() + "\n```"
-            tf.summary.text("freeze/summary", text)
-            for v in rep["variables"]:
-                trained_by_keras = v["elements"] if v["state"] != "untrained" else 0
-                if trained_by_keras:
-                    tf.summary.scalar(f"frozen_fraction/{v['path']}", v["frozen_elements"] / trained_by_keras)
-            for s in frz.resolution.states:
-                if s.info.size < 2 or (self.images == "partial" and s.state != "partial"):
-                    continue
-                img = to_rgb(frozen_fraction_image(s.frozen_mask(), max_side=1024))
-                tf.summary.image(f"frozen_mask/{s.path}", img[None], max_outputs=1)
-        self._writer.flush()
+        w = self._writer
+        w.text("freeze/summary", "```\n" + frz.summary() + "\n```", step)
+        for v in rep["variables"]:
+            trained_by_keras = v["elements"] if v["state"] != "untrained" else 0
+            if trained_by_keras:
+                w.scalar(f"frozen_fraction/{v['path']}", v["frozen_elements"] / trained_by_keras, step)
+        for s in frz.resolution.states:
+            if s.info.size < 2 or (self.images == "partial" and s.state != "partial"):
+                continue
+            w.image(f"frozen_mask/{s.path}", to_rgb(frozen_fraction_image(s.frozen_mask(), max_side=1024)), step)
+        w.flush()
         self._written_for = frz.resolution
 
     def _write_norms(self) -> None:
-        norms = self._opt.gradient_norms() if self._opt is not None else None
+        if self._opt is None:
+            return
+        self._sync()
+        norms = self._opt.gradient_norms()
         if norms is None:
             return
         self.last_gradient_norms = norms
-        import tensorflow as tf
-
-        with self._writer.as_default(step=self._step()):
-            tf.summary.scalar("grad_norm/trainable", norms[0])
-            tf.summary.scalar("grad_norm/frozen", norms[1])
+        step = self._step()
+        self._writer.scalar("grad_norm/trainable", norms[0], step)
+        self._writer.scalar("grad_norm/frozen", norms[1], step)
 
     # -- callback hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
-        import tensorflow as tf
-
+        from finefreeze._events import EventWriter
         from finefreeze._optimizer import find_freezing_optimizer, freezer_of
 
         self._freezer_now = freezer_of(self.model, self._freezer, "FreezeBoard")
         self._opt = find_freezing_optimizer(self.model)
-        os.makedirs(self.log_dir, exist_ok=True)
-        self._writer = tf.summary.create_file_writer(self.log_dir)
+        self._writer = EventWriter(self.log_dir)
         self.write_plan()
         if self._opt is not None and not self._opt.track_gradient_norms:
             self._opt.track_gradient_norms = True
@@ -136,6 +152,5 @@ class FreezeBoard(keras.callbacks.Callback):
         if self._writer is not None:
             if self._batches % self.update_freq:
                 self._write_norms()
-            self._writer.flush()
             self._writer.close()
             self._writer = None

@@ -3,8 +3,10 @@
 Exit codes: 0 ok, 1 verification failed, 2 bad input or environment (one
 line on stderr, no traceback; OS errors included), 130 interrupted (one
 line, no traceback, no stray files). Every command has ``--help``, which
-imports neither TensorFlow nor Keras; TensorFlow is imported only by the
-commands that need it, after its logging has been quieted.
+imports neither TensorFlow nor Keras. Every command runs on the Keras
+backend ``KERAS_BACKEND`` names (TensorFlow, JAX or PyTorch); TensorFlow's
+logging is quieted first, as Keras imports it when it is installed (the
+backend, or ``model.save`` on the others).
 """
 
 from __future__ import annotations
@@ -41,15 +43,10 @@ def _bundled_model():
 
 
 def cmd_finetune(args) -> int:
-    import keras
-
+    from finefreeze._events import require_tensorboard
     from finefreeze._finetune import finetune
 
-    if keras.backend.backend() != "tensorflow":
-        raise UserError(
-            f"finetune runs on the TensorFlow backend (KERAS_BACKEND={keras.backend.backend()} is set); "
-            "unset KERAS_BACKEND or set it to tensorflow"
-        )
+    require_tensorboard("finefreeze finetune")  # before --select's slow work
     if args.budget is not None and args.select is None:
         raise UserError("--budget goes with --select SCORE (it is the size of the selection)")
     with tempfile.TemporaryDirectory() as scratch:  # nothing lands in --out before finetune's own checks

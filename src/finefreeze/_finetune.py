@@ -135,6 +135,9 @@ def finetune(
     written in a hidden folder inside ``out`` and renamed into place at the
     end, so an error or an interrupt leaves ``out`` as it was.
     """
+    from finefreeze._events import require_tensorboard
+
+    require_tensorboard("finefreeze finetune")
     if epochs < 1 or batch_size < 1 or not lr > 0:
         raise UserError(f"--epochs ({epochs}), --batch-size ({batch_size}) and --lr ({lr}) must be positive")
     if model_path is not None:

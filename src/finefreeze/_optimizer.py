@@ -12,6 +12,7 @@ the inner optimizer; partially frozen ones go through their enforcer's
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -218,7 +219,29 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        own = self._variables + self.inner_optimizer.variables
+        if getattr(self, "track_gradient_norms", False) and self._enforcers.norms:
+            # while tracked, the norms are training state: Keras' JAX trainer carries only
+            # the optimizer's variables through its jitted step (never saved: see below)
+            own = own + list(self._enforcers.norms)
+        return own
+
+    def save_own_variables(self, store):
+        with self._norms_untracked():
+            super().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        with self._norms_untracked():
+            super().load_own_variables(store)
+
+    @contextlib.contextmanager
+    def _norms_untracked(self):
+        """The variables as saved: without the gradient norms, whether FreezeBoard tracks them or not."""
+        tracking, self.track_gradient_norms = self.track_gradient_norms, False
+        try:
+            yield
+        finally:
+            self.track_gradient_norms = tracking
 
     @property
     def learning_rate(self):
@@ -326,7 +349,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 continue
             ordered.append(self._make_enforcer(v, e))
         out = _Enforcers(ordered, frozen)
-        # not optimizer variables: only FreezeBoard (TensorFlow) reads them, and they are not saved
+        # optimizer variables only while FreezeBoard tracks them (see `variables`); never saved
         out.norms = tuple(
             keras.Variable(0.0, dtype="float32", trainable=False, name=n, aggregation="only_first_replica")
             for n in ("grad_norm_trainable", "grad_norm_frozen")

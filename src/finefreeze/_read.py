@@ -21,7 +21,7 @@ __all__ = ["read"]
 
 def _ops():
     """TensorFlow's raw variable ops, when TensorFlow is already imported (never imported here)."""
-    if sys.modules.get("tensorflow") is None:
+    if sys.modules.get("tensorflow") is None:  # not imported, or blocked
         return None
     from tensorflow.python.ops import gen_resource_variable_ops
 
