@@ -14,7 +14,7 @@ BACKEND = keras.backend.backend()
 # Under KERAS_BACKEND=jax (or torch) only the backend-neutral test modules run
 # (tests/test_backends.py runs them so from the TensorFlow suite); the others
 # test TensorFlow-only features (tf.distribute, tf.Module, TensorBoard, the CLI).
-BACKEND_NEUTRAL = {"test_conformance.py", "test_dynamic.py", "test_plan.py", "test_index.py"}
+BACKEND_NEUTRAL = {"test_conformance.py", "test_dynamic.py", "test_plan.py", "test_index.py", "test_select_backends.py"}
 if BACKEND != "tensorflow":
     collect_ignore = [p.name for p in __import__("pathlib").Path(__file__).parent.glob("test_*.py")]
     collect_ignore = [n for n in collect_ignore if n not in BACKEND_NEUTRAL]
