@@ -28,8 +28,11 @@ BACKEND_NEUTRAL = {
     "test_lr_scale.py",
     "test_plan.py",
     "test_real_models.py",
+    "test_reselect.py",
     "test_resolve.py",
     "test_seams.py",
+    "test_select.py",
+    "test_select_backends.py",
     "test_summary.py",
     "test_training.py",
 }

@@ -1,11 +1,16 @@
-"""ff.callbacks.Reselect: drop and regrow through element-level update(), exact throughout."""
+"""ff.callbacks.Reselect: drop and regrow through element-level update(), exact throughout.
+
+A TensorFlow-suite module; its references take gradients with the backend's
+own autodiff (``backend_utils.gradients``), so it also runs under another
+``KERAS_BACKEND`` when named on the command line.
+"""
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import finefreeze as ff
+from backend_utils import gradients
 from conftest import mlp
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -75,10 +80,8 @@ def test_drop_is_least_moved_and_regrow_is_largest_gradient():
         v.assign(values[v.path])
     gsum = {v.path: np.zeros(v.shape, np.float64) for v in m2.weights}
     for s in range(0, 32, 16):  # batches=2 of batch_size=16
-        with tf.GradientTape() as tape:
-            loss = LOSS(y[s : s + 16], m2(x[s : s + 16]))
-        for v, g in zip(m2.weights, tape.gradient(loss, m2.weights)):
-            gsum[v.path] += np.abs(np.asarray(g, np.float64))
+        for v, g in zip(m2.weights, gradients(lambda s=s: LOSS(y[s : s + 16], m2(x[s : s + 16])), m2.weights)):
+            gsum[v.path] += np.abs(np.asarray(keras.ops.convert_to_numpy(g), np.float64))
     for v, s0 in zip(m2.weights, start):
         p = v.path
         tr_b, tr_a = ~before[p], ~after[p]
@@ -116,11 +119,10 @@ def test_trained_values_follow_a_hand_written_masked_adam_with_fresh_state_for_r
             a.assign(b.astype("float32"))
         step = (t - 1) % 6
         xs, ys = x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8]
-        with tf.GradientTape() as tape:
-            loss = LOSS(ys, ref(xs, training=True))
-        for i, (v, g) in enumerate(zip(ref.weights, tape.gradient(loss, ref.weights))):
+        g_all = gradients(lambda xs=xs, ys=ys: LOSS(ys, ref(xs, training=True)), ref.weights)
+        for i, (v, g) in enumerate(zip(ref.weights, g_all)):
             tr = ~masks[v.path]
-            g = np.asarray(g, np.float64)
+            g = np.asarray(keras.ops.convert_to_numpy(g), np.float64)
             mom[i][tr] += (g[tr] - mom[i][tr]) * (1 - b1)
             vel[i][tr] += (g[tr] ** 2 - vel[i][tr]) * (1 - b2)
             alpha = lr * np.sqrt(1 - b2**t) / (1 - b1**t)

@@ -1,4 +1,10 @@
-"""ff.select: each score's chosen set is the top-k of an independently computed score."""
+"""ff.select: each score's chosen set is the top-k of an independently computed score.
+
+A TensorFlow-suite module (the CLI, tf.data and TensorFlow's allocator
+statistics); its references take gradients with the backend's own autodiff
+(``backend_utils.gradients``), so it also runs under another
+``KERAS_BACKEND`` when named on the command line.
+"""
 
 import json
 
@@ -8,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import finefreeze as ff
+from backend_utils import gradients
 from conftest import mlp, weights
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -42,23 +49,25 @@ def reference_top_k(model, scores, k, skip=()):
     return out
 
 
+def grads(model, loss_fn):
+    """float64 gradients of ``loss_fn()`` w.r.t. the model's weights (tape, jax.grad or backward)."""
+    return [np.asarray(keras.ops.convert_to_numpy(g), np.float64) for g in gradients(loss_fn, model.weights)]
+
+
 def per_example_fisher(model, x, y):
     out = {v.path: np.zeros(v.shape, np.float64) for v in model.weights}
     for i in range(len(y)):
-        with tf.GradientTape() as tape:
-            loss = LOSS(y[i : i + 1], model(x[i : i + 1]))
-        for v, g in zip(model.weights, tape.gradient(loss, model.weights)):
-            out[v.path] += np.asarray(g, np.float64) ** 2
+        for v, g in zip(model.weights, grads(model, lambda i=i: LOSS(y[i : i + 1], model(x[i : i + 1])))):
+            out[v.path] += g**2
     return out
 
 
 def batch_gradient(model, x, y, batch_size):
     out = {v.path: np.zeros(v.shape, np.float64) for v in model.weights}
     for s in range(0, len(y), batch_size):
-        with tf.GradientTape() as tape:
-            loss = LOSS(y[s : s + batch_size], model(x[s : s + batch_size]))
-        for v, g in zip(model.weights, tape.gradient(loss, model.weights)):
-            out[v.path] += np.abs(np.asarray(g, np.float64))
+        sl = slice(s, s + batch_size)
+        for v, g in zip(model.weights, grads(model, lambda sl=sl: LOSS(y[sl], model(x[sl])))):
+            out[v.path] += np.abs(g)
     return out
 
 
@@ -121,9 +130,9 @@ def test_delta_is_top_k_of_a_hand_written_fine_tune_and_resets_the_model_bit_exa
     opt.build(ref_model.weights)
     for _ in range(2):
         for s in range(0, 40, 10):
-            with tf.GradientTape() as tape:
-                loss = LOSS(y[s : s + 10], ref_model(x[s : s + 10], training=True))
-            opt.apply(tape.gradient(loss, ref_model.weights), ref_model.weights)
+            sl = slice(s, s + 10)
+            g = gradients(lambda sl=sl: LOSS(y[sl], ref_model(x[sl], training=True)), ref_model.weights)
+            opt.apply(g, ref_model.weights)
     moved = {v.path: np.abs(r.numpy().astype(np.float64) - v.numpy()) for v, r in zip(m.weights, ref_model.weights)}
     plan = ff.select(
         m,
@@ -311,9 +320,10 @@ print(json.dumps(out))
 def test_scores_stream_one_accumulator_per_element_whatever_the_number_of_batches():
     """TensorFlow's allocator and tracemalloc (numpy) peaks, in float32 copies of the model (4 P bytes).
 
-    Measured in a child process: TensorFlow keeps allocator statistics for the
-    CPU only with its oneDNN allocator on (``TF_ENABLE_ONEDNN_OPTS=1``), which
-    the rest of the suite turns off.
+    Measured in a child process on the TensorFlow backend, whatever the backend
+    here: TensorFlow keeps allocator statistics for the CPU only with its
+    oneDNN allocator on (``TF_ENABLE_ONEDNN_OPTS=1``), which the rest of the
+    suite turns off.
     """
     import os
     import pathlib
@@ -321,7 +331,7 @@ def test_scores_stream_one_accumulator_per_element_whatever_the_number_of_batche
     import sys
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", PYTHONPATH=str(root / "src"))
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", PYTHONPATH=str(root / "src"), KERAS_BACKEND="tensorflow")
     got = subprocess.run([sys.executable, "-c", STREAM_CHILD], env=env, capture_output=True, text=True, timeout=600)
     assert got.returncode == 0, got.stderr[-3000:]
     res = {int(k): v for k, v in json.loads(got.stdout.strip().splitlines()[-1]).items()}
@@ -340,6 +350,10 @@ def test_cli_finetune_select_writes_and_uses_the_selected_plan(tmp_path, capsys)
     from finefreeze._cli import main
 
     out = tmp_path / "out"
+    if keras.backend.backend() != "tensorflow":  # the command line runs on TensorFlow, and says so elsewhere
+        assert main(["finetune", "--select", "fisher", "--budget", "300", "--out", str(out), "-q"]) == 2
+        assert "finetune runs on the TensorFlow backend" in capsys.readouterr().err
+        return
     assert main(["finetune", "--select", "fisher", "--budget", "300", "--epochs", "1", "--out", str(out), "-q"]) == 0
     plan = ff.Plan.load(out / "selected-plan.json")
     report = json.loads((out / "report.json").read_text())

@@ -7,10 +7,12 @@ from typing import Any
 import keras
 import numpy as np
 
+from finefreeze._backend import to_numpy
 from finefreeze._errors import PlanError
+from finefreeze._gradients import need_gradients
 from finefreeze._plan import Plan
 from finefreeze._rules import freeze, train
-from finefreeze._scores import need_tensorflow, stream_scores
+from finefreeze._scores import stream_scores
 from finefreeze._select import _rule_selector, top_k
 
 __all__ = ["Reselect"]
@@ -39,7 +41,8 @@ class Reselect(keras.callbacks.Callback):
     through ``Freezer.update`` (no retrace under ``restore`` or ``compact``): kept elements
     keep their optimizer state, regrown ones start from fresh state, frozen
     ones stay bit-identical. Variables trained in full or frozen in full are
-    left alone. Ties go to the lower flat index.
+    left alone. Ties go to the lower flat index. Runs inside ``fit`` on the
+    TensorFlow, JAX and PyTorch backends.
 
     Args:
         data: where the regrowth gradient comes from: ``(x, y)`` arrays, a
@@ -56,7 +59,8 @@ class Reselect(keras.callbacks.Callback):
 
     Raises:
         PlanError: bad ``every``, ``fraction`` or ``batches`` (at construction);
-            no partially frozen variable when training starts.
+            no partially frozen variable, or a backend other than TensorFlow,
+            JAX and PyTorch, when training starts.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff
@@ -92,9 +96,10 @@ class Reselect(keras.callbacks.Callback):
         self.swaps: list[dict] = []  #: per reselection: step and elements swapped per variable
 
     def on_train_begin(self, logs=None):
-        need_tensorflow("gradient")
+        need_gradients("gradient")
         self.freezer = _freezer_of(self.model, self._given)
         frz = self.freezer
+        frz._sync()  # JAX: the values of an epoch in progress
         self._base = frz.plan
         self._vars = [v for v in frz.trainable_variables if frz.variable_state(v.path) == "partial"]
         if not self._vars:
@@ -102,12 +107,13 @@ class Reselect(keras.callbacks.Callback):
                 "Reselect: the plan has no partially frozen variable to reselect in; "
                 "start from a plan of element masks, e.g. ff.select(model, data, budget=0.01)."
             )
-        self._theta0 = [np.array(v.numpy(), copy=True) for v in self._vars]
+        self._theta0 = [np.array(to_numpy(v), copy=True) for v in self._vars]
         self._cache: dict = {}  # the gradient accumulators and traced step, reused at every reselection
         self._next = self._iterations() + self.every
 
     def _iterations(self) -> int:
-        return int(np.asarray(self.model.optimizer.iterations.numpy()))
+        self.freezer._sync()  # JAX: fit keeps the state outside the variables during an epoch
+        return int(to_numpy(self.model.optimizer.iterations))
 
     def on_train_batch_end(self, batch, logs=None):
         if self._iterations() >= self._next:
@@ -119,6 +125,7 @@ class Reselect(keras.callbacks.Callback):
         if getattr(self, "freezer", None) is None:  # called outside fit: set up as at train begin
             self.on_train_begin()
         frz = self.freezer
+        frz._sync()
         grads = stream_scores(
             self.model,
             self._vars,
@@ -139,7 +146,7 @@ class Reselect(keras.callbacks.Callback):
             trained = ~frozen
             d = min(int(np.floor(self.fraction * np.count_nonzero(trained) + 0.5)), int(np.count_nonzero(frozen)))
             if d > 0:
-                moved = np.abs(np.asarray(v.numpy(), np.float32) - theta0.astype(np.float32))
+                moved = np.abs(np.asarray(to_numpy(v), np.float32) - theta0.astype(np.float32))
                 drop = top_k([np.negative(moved)], [trained], d)[0]
                 grow = top_k([g], [frozen], d)[0]
                 trained = (trained & ~drop) | grow

@@ -9,10 +9,11 @@ import keras
 import numpy as np
 
 from finefreeze._errors import PlanError
+from finefreeze._gradients import need_gradients
 from finefreeze._plan import Plan
 from finefreeze._resolve import FROZEN, UNTRAINED, resolve
 from finefreeze._rules import freeze, train
-from finefreeze._scores import DATA_SCORES, SCORES, need_tensorflow, static_score, stream_scores
+from finefreeze._scores import DATA_SCORES, SCORES, static_score, stream_scores
 from finefreeze._targets import collect
 
 __all__ = ["select", "top_k", "split_budget"]
@@ -132,7 +133,8 @@ def select(
     per variable while batches stream (one float32 accumulator per scored
     element; ``fisher`` also holds ``microbatch`` gradients at a time) and
     computed in inference mode (``training=False``). Ties go to the earlier
-    variable, then the lower flat index.
+    variable, then the lower flat index. Every score runs on the TensorFlow,
+    JAX and PyTorch backends, with the same results to float rounding.
 
     Args:
         model: a built Keras model.
@@ -152,10 +154,14 @@ def select(
         batches: use at most this many batches (per epoch for ``delta``).
         microbatch: examples per vectorised per-example gradient (``fisher``).
         per_example: how ``fisher`` takes per-example gradients:
-            ``"vectorized"`` (``tf.vectorized_map``), ``"loop"`` (``tf.map_fn``,
-            slower), or ``"auto"``: the loop for models with a
-            ``MultiHeadAttention`` layer, whose vectorised gradient crashes
-            TensorFlow 2.21.
+            ``"vectorized"`` (``tf.vectorized_map``, ``jax.vmap``,
+            ``torch.func.vmap``), ``"loop"`` (one example after the other,
+            one gradient at a time: slower on TensorFlow and PyTorch, faster
+            on JAX on a CPU for dense models), or ``"auto"``: vectorised,
+            except the loop for models
+            with a ``MultiHeadAttention`` layer on TensorFlow (its vectorised
+            gradient crashes TensorFlow 2.21) and, on PyTorch, from the first
+            microbatch ``vmap`` cannot batch on.
         epochs: passes over the data for ``delta``.
         optimizer: a fresh Keras optimizer for ``delta`` (default ``Adam(1e-3)``).
         seed: seed of ``random``.
@@ -166,7 +172,10 @@ def select(
 
     Raises:
         PlanError: unknown score, bad budget, a selector that selects
-            nothing, data in no known form, no loss, a score that is NaN.
+            nothing, data in no known form, no loss, a score that is NaN,
+            a data score on a backend other than TensorFlow, JAX and
+            PyTorch, ``per_example="vectorized"`` on a model PyTorch's
+            ``vmap`` cannot batch.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff
@@ -187,7 +196,7 @@ def select(
     if per_example not in ("auto", "vectorized", "loop"):
         raise PlanError(f"select: per_example={per_example!r}; choose 'auto', 'vectorized' or 'loop'.")
     if score in DATA_SCORES:
-        need_tensorflow(score)
+        need_gradients(score)
     if score in DATA_SCORES and data is None:
         raise PlanError(
             f"select: score={score!r} needs data; pass data=(x, y), a tf.data.Dataset or an iterable of "
