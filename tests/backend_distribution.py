@@ -13,24 +13,26 @@ import numpy as np
 import finefreeze as ff
 
 PLAN = ff.Plan([ff.freeze("**/backbone/kernel[:, :8]"), ff.freeze("**/backbone/kernel[0]")])
+# the same frozen set, and two step sizes inside the kernel: one lr_scale per element
+SCALED = ff.Plan([*PLAN.rules, ff.train("**/backbone/kernel[1:, 12:]", lr_scale=0.5)])
 X = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
 Y = np.random.default_rng(1).normal(size=(64, 2)).astype("float32")
 
 
-def train(strategy):
+def train(strategy, plan=PLAN):
     keras.utils.set_random_seed(0)
     m = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(16, name="backbone"), keras.layers.Dense(2, name="head")], name="m"
     )
     before = np.array(keras.ops.convert_to_numpy(m.get_layer("backbone").kernel), copy=True)
-    frz = ff.Freezer(m, PLAN, strategy=strategy)
+    frz = ff.Freezer(m, plan, strategy=strategy)
     m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(1e-2, weight_decay=0.1)), loss="mse")
     m.fit(X, Y, epochs=2, batch_size=16, verbose=0, shuffle=False)
     frz.verify()
     after = np.asarray(keras.ops.convert_to_numpy(m.get_layer("backbone").kernel))
     frozen = frz.frozen_mask("m/backbone/kernel")
     assert np.array_equal(after[frozen], before[frozen]), "frozen elements moved"
-    return m, after
+    return m, after, frz
 
 
 def main() -> None:
@@ -38,9 +40,9 @@ def main() -> None:
     assert len(devices) == 2, devices
     for strategy in ("restore", "compact"):
         keras.distribution.set_distribution(None)
-        _, single = train(strategy)
+        _, single, _ = train(strategy)
         keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
-        _, data_parallel = train(strategy)
+        _, data_parallel, _ = train(strategy)
         np.testing.assert_allclose(data_parallel, single, rtol=1e-5, atol=1e-6)
         print(f"DataParallel over 2 devices, {strategy}: frozen exact, trained as on one device")
 
@@ -48,13 +50,29 @@ def main() -> None:
     layouts = keras.distribution.LayoutMap(mesh)
     layouts[".*backbone.*kernel"] = (None, "model")
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch"))
-    m, sharded = train("restore")
+    m, sharded, frz = train("restore")
     kernel = m.get_layer("backbone").kernel
     mask = next(v for v in m.optimizer.variables if v.path.endswith("backbone.kernel.frozen_mask"))
     assert tuple(kernel.value.sharding.spec) == (None, "model"), kernel.value.sharding
     assert mask.value.sharding.spec == kernel.value.sharding.spec, mask.value.sharding
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-6)
     print("ModelParallel: the kernel and its frozen mask sharded alike; frozen exact")
+    for strategy in ("restore", "compact"):
+        keras.distribution.set_distribution(None)
+        _, single, _ = train(strategy, SCALED)
+        keras.distribution.set_distribution(
+            keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+        )
+        m, sharded, frz = train(strategy, SCALED)
+        kernel = m.get_layer("backbone").kernel
+        scale = next(v for v in m.optimizer.variables if v.path.endswith("backbone.kernel.lr_scale"))
+        if strategy == "restore":  # one scale per element of the kernel: sharded like it
+            assert tuple(scale.shape) == tuple(kernel.shape), scale.shape
+            assert scale.value.sharding.spec == kernel.value.sharding.spec, scale.value.sharding
+        else:  # one scale per trainable element, beside compact's values: replicated like them
+            assert tuple(scale.shape) == (int((~frz.frozen_mask("m/backbone/kernel")).sum()),)
+        np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-6)
+        print(f"ModelParallel, {strategy}, lr_scale per element: laid out like its values; frozen exact")
     print("OK")
 
 

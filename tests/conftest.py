@@ -31,7 +31,6 @@ BACKEND_NEUTRAL = {
     "test_reselect.py",
     "test_resolve.py",
     "test_seams.py",
-    "test_select.py",
     "test_select_backends.py",
     "test_summary.py",
     "test_training.py",

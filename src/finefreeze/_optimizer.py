@@ -394,6 +394,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 name=f"{safe}.lr_scale",
                 initializer=_const(scale),
                 aggregation="none",
+                # one scale per element: sharded like the variable; a scalar: replicated
+                layout=getattr(v, "_layout", None) if scale.shape == tuple(e.shape) and scale.ndim else None,
             )
         return enf
 
