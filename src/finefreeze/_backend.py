@@ -25,6 +25,7 @@ import keras
 import numpy as np
 
 __all__ = [
+    "current",
     "eager_scope",
     "flat_dense",
     "native",
@@ -74,6 +75,17 @@ def snapshot(v):
     if keras.backend.backend() == "jax":
         return v.value
     return keras.ops.copy(v.value)
+
+
+def current(v):
+    """The variable's value now, read to compute a value that is then written back to it.
+
+    No copy off TensorFlow (whatever is computed from it is a new tensor);
+    TensorFlow reads it as :func:`snapshot` does.
+    """
+    if tensorflow() is not None:
+        return snapshot(v)
+    return v.value
 
 
 def _is_sparse(grad) -> bool:

@@ -30,7 +30,7 @@ from typing import Any
 
 from keras import ops
 
-from finefreeze._backend import assign, flat_dense, scatter_write, select_frozen_to_zero, snapshot
+from finefreeze._backend import assign, current, flat_dense, scatter_write, select_frozen_to_zero, snapshot
 
 __all__ = ["Enforcer", "unravel"]
 
@@ -103,7 +103,7 @@ class Enforcer:
             return
         if old is None:
             return
-        cur = snapshot(self.variable)
+        cur = current(self.variable)
         if self.scale is not None:
             cur = old + ops.cast(self.scale.value, ops.dtype(cur)) * (cur - old)
         if self.kind == "restore":
