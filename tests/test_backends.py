@@ -53,11 +53,21 @@ def test_the_import_hook_hides_tensorflow(tmp_path):
     assert got.returncode != 0 and "ModuleNotFoundError: import of tensorflow halted" in got.stderr, got.stderr[-2000:]
 
 
+#: JAX compiles every step: its run is cut in two, so the suite's two workers can share it.
+HEAVY = ["tests/test_conformance.py", "tests/test_dynamic.py"]
+PARTS = {
+    ("jax", "conformance and plan changes"): HEAVY,
+    ("jax", "the rest"): ["tests", *(f"--ignore={m}" for m in HEAVY)],
+    ("torch", "all"): ["tests"],
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", OTHER_BACKENDS)
-def test_backend_neutral_suite_where_tensorflow_is_not_installed(backend):
+@pytest.mark.parametrize("backend, part", list(PARTS))
+def test_backend_neutral_suite_where_tensorflow_is_not_installed(backend, part):
     hidden = str(ROOT / "tests" / "without_tensorflow.py")
-    got = run_on(backend, hidden, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not one_backend", "tests")
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "not one_backend", *PARTS[backend, part]]
+    got = run_on(backend, hidden, *args)
     tail = got.stdout[-3000:] + got.stderr[-2000:]
     assert got.returncode == 0, tail
     summary = got.stdout.strip().splitlines()[-1]

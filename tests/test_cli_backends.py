@@ -140,3 +140,33 @@ def test_verify_and_delta_apply_read_the_outputs(tuned, tmp_path, capsys):
     )
     got_tf = raw(tmp_path / "tf.keras")
     assert all(same_bytes(tuned_w[p], got_tf[p]) for p in tuned_w)
+
+
+@pytest.mark.parametrize(
+    "backend, code, missing",
+    [
+        ("jaxx", "from finefreeze._cli import main; import sys; sys.exit(main(sys.argv[1:]))", "jaxx"),
+        ("tensorflow", WITHOUT_TF, "No module named 'tensorflow"),
+    ],
+)
+def test_a_backend_that_cannot_load_is_one_line_that_names_keras_backend(backend, code, missing, tmp_path):
+    proc = run_on(backend, "-c", code, "inspect", cwd=tmp_path, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("finefreeze inspect: error: ") and missing in lines[0], lines[0]
+    assert f"KERAS_BACKEND={backend}" in lines[0] and "pip install" in lines[0], lines[0]
+
+
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
+    """``finefreeze inspect | head -c 10``: the closed pipe ends the command quietly."""
+    import os
+    import subprocess
+    import sys
+
+    from test_backends import ROOT
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), KERAS_BACKEND="jax")
+    cmd = f"set -o pipefail; {sys.executable} -m finefreeze inspect | head -c 10 >/dev/null"
+    got = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert got.stderr == "", got.stderr[-2000:]
+    assert got.returncode in (0, 141), got.returncode  # 0 when inspect had written everything before head left

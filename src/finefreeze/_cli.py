@@ -259,6 +259,21 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e}{':' if where else ''}{where}"
 
 
+_BACKEND_MODULES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+
+
+def _backend_hint(e: Exception) -> str:
+    """What to do when the Keras backend cannot be loaded ('' for other errors)."""
+    missing = (getattr(e, "name", None) or "").split(".")[0]
+    if not str(e).startswith("Unable to import backend") and missing not in _BACKEND_MODULES:
+        return ""
+    chosen = os.environ.get("KERAS_BACKEND", "tensorflow (Keras' default, or ~/.keras/keras.json)")
+    return (
+        f" (the Keras backend is KERAS_BACKEND={chosen}: set KERAS_BACKEND to an installed backend, "
+        "tensorflow, jax or torch, or install one: pip install 'finefreeze[jax]')"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``finefreeze`` command; returns the exit code (0, 1, 2 or 130)."""
     _quiet_tf()
@@ -274,8 +289,16 @@ def main(argv: list[str] | None = None) -> int:
             except (UserError, PlanError, DeltaError, ImportError) as e:
                 check_interrupt()  # an error caused by the interrupt is the interrupt
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                print(f"{name}: error: {first}", file=sys.stderr)
+                print(f"{name}: error: {first}{_backend_hint(e)}", file=sys.stderr)
                 return 2
+            except ValueError as e:
+                if not str(e).startswith("Unable to import backend"):
+                    raise
+                print(f"{name}: error: {e}{_backend_hint(e)}", file=sys.stderr)
+                return 2
+            except BrokenPipeError:  # the reader went away (`finefreeze inspect | head`): nothing to say
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 141
             except OSError as e:
                 check_interrupt()
                 print(f"{name}: error: {_os_error(e)}", file=sys.stderr)

@@ -48,6 +48,7 @@ A microbatch of ``m`` examples holds ``m`` per-example gradients at most
 from __future__ import annotations
 
 import gc
+import warnings
 
 import keras
 import numpy as np
@@ -328,7 +329,11 @@ class _Torch(_Grads):
             values, ovals = self._values()
             if self.mode != "loop":
                 try:
-                    squares = [gi.to(torch.float32).square().sum(0) for gi in vectorized(values, ovals, x, y)]
+                    with warnings.catch_warnings():
+                        # "There is a performance drop because we have not yet implemented the batching
+                        # rule for ...": PyTorch falls back to a loop inside vmap; the result is the same.
+                        warnings.filterwarnings("ignore", message="There is a performance drop", category=UserWarning)
+                        squares = [gi.to(torch.float32).square().sum(0) for gi in vectorized(values, ovals, x, y)]
                 except RuntimeError as e:
                     if self.mode == "vectorized":
                         said = next((ln.strip() for ln in str(e).splitlines() if "vmap" in ln), str(e))[:200]
