@@ -146,6 +146,7 @@ def bad_inputs(tmp_path, model):
     np.savez(tmp_path / "shapes.npz", x=np.zeros((8, 7), "int32"), y=np.zeros(8, "int32"))
     np.savez(tmp_path / "labels.npz", x=np.zeros((8, 16), "int32"), y=np.full(8, 9, "int32"))
     np.savez(tmp_path / "nokeys.npz", inputs=np.zeros((8, 16)))
+    np.savez(tmp_path / "ids.npz", x=np.full((8, 16), 10_000, "int32"), y=np.zeros(8, "int32"))
     return {
         "missing model": (["finetune", tmp_path / "nope.keras"], "does not exist"),
         "missing data": (["finetune", model, "--plan", plan, "--data", tmp_path / "nope.npz"], "does not exist"),
@@ -154,6 +155,10 @@ def bad_inputs(tmp_path, model):
         "wrong x shape": (["finetune", model, "--plan", plan, "--data", tmp_path / "shapes.npz"], "(8, 7)"),
         "labels out of range": (["finetune", model, "--plan", plan, "--data", tmp_path / "labels.npz"], "4 outputs"),
         "no x/y arrays": (["finetune", model, "--plan", plan, "--data", tmp_path / "nokeys.npz"], "'x' and 'y'"),
+        "token ids out of range": (
+            ["finetune", model, "--plan", plan, "--data", tmp_path / "ids.npz"],
+            "rows (ids 0..",
+        ),
         "unknown optimizer": (["finetune", "--optimizer", "adamx"], "unknown optimizer 'adamx'"),
         "missing delta": (
             ["delta", "apply", model, tmp_path / "nope.safetensors", "-o", tmp_path / "o.keras"],
@@ -179,6 +184,7 @@ def typo_plan(tmp_path):
         "wrong x shape",
         "labels out of range",
         "no x/y arrays",
+        "token ids out of range",
         "unknown optimizer",
         "missing delta",
         "verify without plan",

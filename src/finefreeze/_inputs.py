@@ -94,6 +94,26 @@ def load_plan(path: str | None, *, model_file: str | None = None, bundled: bool 
     return Plan.from_dict(DEFAULT_PLAN, source="bundled plan")
 
 
+def _embedding_rows(model) -> int | None:
+    """Rows of the smallest Embedding that reads the model's input directly, or None.
+
+    Out-of-range ids are an error on TensorFlow and PyTorch at the first
+    batch (a raw traceback) and silently clipped by JAX: checked up front.
+    """
+    import keras
+
+    src = model.inputs[0] if getattr(model, "inputs", None) else None
+    if src is None:
+        return None
+    dims = [
+        layer.input_dim
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.Embedding)
+        and any(t is src for node in layer._inbound_nodes for t in keras.tree.flatten(node.input_tensors))
+    ]
+    return min(dims) if dims else None
+
+
 def _shape_fits(want, got) -> bool:
     return len(want) == len(got) and all(w is None or w == g for w, g in zip(want, got))
 
@@ -131,6 +151,12 @@ def load_data(path: str | None, model) -> tuple[tuple, tuple]:
         if not _shape_fits(in_shape, (None,) + a.shape[1:]):
             raise UserError(
                 f"data file {path!r}: {name} has shape {a.shape} but the model takes inputs of shape {in_shape}"
+            )
+        rows = _embedding_rows(model) if np.issubdtype(a.dtype, np.integer) and a.size else None
+        if rows is not None and (a.min() < 0 or a.max() >= rows):
+            raise UserError(
+                f"data file {path!r}: {name} holds ids over [{a.min()}, {a.max()}] but the model's embedding "
+                f"has {rows} rows (ids 0..{rows - 1}); extend the vocabulary or map the ids"
             )
         sparse = np.issubdtype(b.dtype, np.integer) and b.ndim == 1
         if sparse and (b.min() < 0 or b.max() >= out_shape[-1]):
