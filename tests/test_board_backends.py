@@ -197,3 +197,10 @@ def test_without_tensorboard_one_error_names_the_install(tmp_path, monkeypatch, 
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("finefreeze finetune: error: ") and line.endswith("pip install tensorboard")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_as_log_dir_is_refused_at_construction(tmp_path):
+    (tmp_path / "events").write_text("not a folder")
+    with pytest.raises(ValueError, match="a file is there; give a directory"):
+        ff.callbacks.FreezeBoard(tmp_path / "events")
+    assert (tmp_path / "events").read_text() == "not a folder"

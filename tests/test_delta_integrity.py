@@ -224,3 +224,10 @@ def test_a_failing_write_restores_what_was_written(tmp_path):
     with pytest.raises(ff.DeltaError, match="writing 'b' failed.*restored"):
         ff.load_delta([a, b], tmp_path / "d.safetensors")
     assert np.array_equal(a.numpy(), np.array([7.0, 8.0, 9.0], "float32"))
+
+
+def test_a_keras_model_given_as_the_delta_is_named_as_such(tmp_path):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
+    model.save(tmp_path / "m.keras")
+    with pytest.raises(ff.DeltaError, match=r"is a zip archive \(a .keras model\?\), not a delta"):
+        ff.load_delta(model, tmp_path / "m.keras")

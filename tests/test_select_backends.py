@@ -325,6 +325,8 @@ def test_bad_input_is_a_plan_error_and_changes_nothing():
         ff.select(m, (x, y[:5]), budget=3, loss="mse", verbose=0)
     with pytest.raises(ff.PlanError, match="no batches"):
         ff.select(m, [], budget=3, score="gradient", loss="mse", verbose=0)
+    with pytest.raises(ff.PlanError, match=r"data is a dict \(keys \['x'\]\); pass data=\(x, y\)"):
+        ff.select(m, {"x": x}, budget=3, loss="mse", verbose=0)
     with pytest.raises(ff.PlanError, match="the data does not fit the model"):
         ff.select(m, (np.ones((8, 3), "float32"), y[:8]), budget=3, loss="mse", verbose=0)
     after = values(m)

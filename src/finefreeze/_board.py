@@ -40,7 +40,8 @@ class FreezeBoard(keras.callbacks.Callback):
     Raises:
         ImportError: when the ``tensorboard`` package is not installed
             (``pip install tensorboard``).
-        ValueError: for an unknown ``images`` or a non-positive ``update_freq``.
+        ValueError: for an unknown ``images``, a non-positive ``update_freq``, or a
+            ``log_dir`` that is a file.
         TypeError: at the start of ``fit``, when no Freezer is given and the
             model's optimizer is not a ``FreezingOptimizer`` made by
             ``Freezer.wrap``.
@@ -68,6 +69,8 @@ class FreezeBoard(keras.callbacks.Callback):
         if int(update_freq) < 1:
             raise ValueError(f"FreezeBoard(update_freq={update_freq!r}): must be a positive number of batches.")
         self.log_dir = os.fspath(log_dir)
+        if os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
+            raise ValueError(f"FreezeBoard(log_dir={self.log_dir!r}): a file is there; give a directory.")
         self.update_freq = int(update_freq)
         self.images = images
         self._freezer = freezer

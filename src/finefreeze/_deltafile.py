@@ -105,6 +105,12 @@ def _open(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
         raise DeltaError(f"delta file {path!r} does not exist.")
     if os.path.isdir(path):
         raise DeltaError(f"delta {path!r} is a folder; give a .safetensors file.")
+    with open(path, "rb") as f:
+        if f.read(4) == b"PK\x03\x04":  # a zip archive: a .keras model, not a delta
+            raise DeltaError(
+                f"delta file {path!r} is a zip archive (a .keras model?), not a delta; give the "
+                ".safetensors file that save_delta or `finefreeze delta export` wrote."
+            )
     try:
         with safe_open(path, framework="np") as f:
             meta = f.metadata() or {}

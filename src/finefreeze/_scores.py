@@ -43,6 +43,11 @@ def batches(data, *, batch_size: int, limit: int | None) -> tuple[Iterator, int 
     """
     if data is None:
         raise PlanError("select: this score needs data; pass data=(x, y), a tf.data.Dataset or an iterable of batches.")
+    if isinstance(data, dict):
+        raise PlanError(
+            f"select: data is a dict (keys {sorted(map(str, data))}); pass data=(x, y) — a model with named "
+            "inputs takes the dict as x: data=({'name': array, ...}, y)."
+        )
     if isinstance(data, tuple) and len(data) in (2, 3) and not isinstance(data[0], tuple):
         x, y = data[0], data[1]
         n = len(y)
