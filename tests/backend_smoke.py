@@ -14,16 +14,11 @@ import keras
 import numpy as np
 
 import finefreeze as ff
+from backend_utils import two_dense
 
 
 def model(name="m"):
-    """The same weights every time (seeded with numpy: keras.utils.set_random_seed imports TensorFlow)."""
-    m = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, name="backbone"), keras.layers.Dense(2, name="head")], name=name
-    )
-    rng = np.random.default_rng(0)
-    m.set_weights([rng.normal(size=w.shape).astype("float32") for w in m.get_weights()])
-    return m
+    return two_dense(name, 8, 16, names=("backbone", "head"))
 
 
 def weights(m):

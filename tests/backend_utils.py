@@ -7,6 +7,7 @@ runs eager.
 """
 
 import keras
+import numpy as np
 
 BACKEND = keras.backend.backend()
 MODES = {"tensorflow": ["eager", "graph", "xla"], "jax": ["eager", "jit"], "torch": ["eager"]}[BACKEND]
@@ -19,6 +20,26 @@ FIT_MODES = {
 }[BACKEND]
 #: The mode Keras' trainer runs by default: a traced graph, a jitted step, PyTorch eager.
 COMPILED = MODES[1] if len(MODES) > 1 else MODES[0]
+
+
+def two_dense(name, inputs, hidden, outputs=2, names=("a", "b")):
+    """``Input -> Dense(hidden) -> Dense(outputs)``, the same weights on every backend (numpy-seeded:
+    ``keras.utils.set_random_seed`` would import TensorFlow where it is installed)."""
+    m = keras.Sequential(
+        [keras.Input((inputs,)), keras.layers.Dense(hidden, name=names[0]), keras.layers.Dense(outputs, name=names[1])],
+        name=name,
+    )
+    rng = np.random.default_rng(0)
+    m.set_weights([rng.normal(size=w.shape).astype("float32") for w in m.get_weights()])
+    return m
+
+
+def attention_model():
+    """Self-attention over 6 tokens of width 4, averaged, into 4 classes (Keras' MultiHeadAttention)."""
+    tokens = keras.Input((6, 4))
+    h = keras.layers.MultiHeadAttention(2, 3, name="attention")(tokens, tokens)
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(tokens, out, name="attn")
 
 
 def gradients(loss_fn, variables):

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util.tensor_util import make_ndarray
 
 import finefreeze as ff
-from backend_utils import gradients
+from backend_utils import gradients, two_dense
 from finefreeze._cli import main
 from finefreeze._maskview import FROZEN_RGB, TRAINED_RGB
 
@@ -38,12 +38,7 @@ def values(acc, tag):
 
 def small(name="s"):
     """Two Dense layers, the same weights on every backend (numpy-seeded)."""
-    m = keras.Sequential(
-        [keras.Input((3,)), keras.layers.Dense(4, name="a"), keras.layers.Dense(2, name="b")], name=name
-    )
-    rng = np.random.default_rng(0)
-    m.set_weights([rng.normal(size=w.shape).astype("float32") for w in m.get_weights()])
-    return m
+    return two_dense(name, 3, 4)
 
 
 def data(n=16, seed=1):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import BACKEND
 from conftest import flags, functional, mlp, nested, subclassed, transformer
 
 
@@ -116,12 +117,23 @@ def test_moving_statistics_stay_outside_plans():
         ff.Freezer(m, ff.Plan([ff.train("**/moving_mean")]))
 
 
-def test_variable_list_and_duplicate_paths():
-    a = keras.Variable(np.ones((2, 2)), name="a")
-    b = keras.Variable(np.ones(3), name="b")
+def _raw_tf_variable(value, name):
+    import tensorflow as tf
+
+    return tf.Variable(value, name=name)
+
+
+# keras.Variable everywhere; raw tf.Variable objects on TensorFlow
+VARIABLES = [keras.Variable] + ([_raw_tf_variable] if BACKEND == "tensorflow" else [])
+
+
+@pytest.mark.parametrize("make", VARIABLES)
+def test_variable_list_and_duplicate_paths(make):
+    a = make(np.ones((2, 2), "float32"), name="a")
+    b = make(np.ones(3, "float32"), name="b")
     frz = ff.Freezer([a, b], ff.Plan([ff.freeze("a[0]")]))
     assert frz.variable_state("a") == "partial"
-    dup = keras.Variable(np.ones(2), name="a")
+    dup = make(np.ones(2, "float32"), name="a")
     with pytest.raises(ff.PlanError, match="share the path 'a'"):
         ff.Freezer([a, dup], ff.Plan([ff.freeze("b")]))
 

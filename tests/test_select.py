@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import finefreeze as ff
-from backend_utils import gradients
+from backend_utils import attention_model, gradients
 from conftest import mlp, weights
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -90,10 +90,7 @@ def test_fisher_is_top_k_of_summed_squared_per_example_gradients(per_microbatch,
 
 
 def test_fisher_on_attention_takes_examples_in_a_loop_and_matches_the_reference():
-    tokens = keras.Input((6, 4))
-    h = keras.layers.MultiHeadAttention(2, 3, name="attention")(tokens, tokens)
-    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(h))
-    m = keras.Model(tokens, out, name="attn")
+    m = attention_model()
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(12, 6, 4)).astype("float32"), rng.integers(0, 4, 12).astype("int32")
     ref = reference_top_k(m, per_example_fisher(m, x, y), 25)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import gradients
+from backend_utils import attention_model, gradients
 from finefreeze._scores import stream_scores
 from finefreeze._select import split_budget
 
@@ -291,10 +291,7 @@ def test_reselect_inside_fit_swaps_least_moved_for_largest_gradient_and_keeps_fr
 
 
 def test_fisher_on_attention_matches_a_loop_of_single_example_gradients():
-    tokens = keras.Input((6, 4))
-    h = keras.layers.MultiHeadAttention(2, 3, name="attention")(tokens, tokens)
-    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(h))
-    m = keras.Model(tokens, out, name="attn")
+    m = attention_model()
     rng = np.random.default_rng(1)
     m.set_weights([rng.normal(scale=0.5, size=w.shape).astype("float32") for w in m.get_weights()])
     x, y = rng.normal(size=(6, 6, 4)).astype("float32"), rng.integers(0, 4, 6).astype("int32")

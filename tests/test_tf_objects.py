@@ -54,13 +54,3 @@ def test_tf_module_name_and_attribute_paths():
     assert mod.layers[0]["w"].trainable  # raw tf.Variables keep their flag
     with pytest.raises(ff.PlanError, match="selects nothing"):
         ff.Freezer(mod, ff.Plan([ff.freeze("w")]))
-
-
-def test_raw_variable_list_and_duplicate_paths():
-    a = tf.Variable(tf.ones((2, 2)), name="a")
-    b = tf.Variable(tf.ones(3), name="b")
-    frz = ff.Freezer([a, b], ff.Plan([ff.freeze("a[0]")]))
-    assert frz.variable_state("a") == "partial"
-    dup = tf.Variable(tf.ones(2), name="a")
-    with pytest.raises(ff.PlanError, match="share the path 'a'"):
-        ff.Freezer([a, dup], ff.Plan([ff.freeze("b")]))

@@ -259,7 +259,7 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e}{':' if where else ''}{where}"
 
 
-_BACKEND_MODULES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
+_BACKEND_MODULES = frozenset({"tensorflow", "jax", "torch"})
 
 
 def _backend_hint(e: Exception) -> str:
