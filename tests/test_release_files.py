@@ -1,0 +1,95 @@
+"""Files written by finefreeze 0.x (``tests/data/release-0.x/``, made by its ``make_files.py``) keep working.
+
+The model file resumes training bit-identically to the run that wrote it,
+``Freezer.of`` rebuilds a Freezer that verifies, the delta applies to its
+base, the plan files load, and FreezeBoard writes the same tags and summary
+as the log of that release.
+"""
+
+import importlib.util
+import json
+import pathlib
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util.tensor_util import make_ndarray
+
+import finefreeze as ff
+
+pytestmark = pytest.mark.one_backend  # the files hold TensorFlow optimizer variables; written on TensorFlow
+
+HERE = pathlib.Path(__file__).parent / "data" / "release-0.x"
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("release_0x_make_files", HERE / "make_files.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_the_files_are_those_of_the_previous_release():
+    manifest = json.loads((HERE / "MANIFEST.json").read_text())
+    assert manifest["finefreeze"].startswith("0.1")
+    config = json.loads(zipfile.ZipFile(HERE / "mid_training.keras").read("config.json"))
+    opt = config["compile_config"]["optimizer"]
+    # the old module path and layout version 2 with its "strategy" key: what the loaders must still read
+    assert opt["module"] == "finefreeze._optimizer"
+    assert opt["config"]["layout"]["version"] == 2
+    assert {e["strategy"] for e in opt["config"]["layout"]["variables"]} == {"frozen", "restore", "compact", "train"}
+
+
+def test_a_saved_model_resumes_training_bit_identically():
+    model = keras.models.load_model(HERE / "mid_training.keras")
+    frz = ff.Freezer.of(model)
+    assert frz is not None
+    frz.verify()
+    assert frz.strategy_for("head/kernel") == "compact" and frz.strategy_for("mid/kernel") == "restore"
+    data = np.load(HERE / "data.npz")
+    model.fit(data["x"], data["y"], batch_size=32, epochs=2, shuffle=False, verbose=0)
+    frz.verify()
+    expected = dict(np.load(HERE / "resumed.npz"))
+    got = _maker().state(model)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert _same(got[key], value), key
+
+
+def test_the_delta_applies_to_its_base_and_the_plan_files_load(tmp_path):
+    maker = _maker()
+    base = maker.build_model()
+    base.load_weights(HERE / "base.weights.h5")
+    ff.load_delta(base, HERE / "delta.safetensors")
+    tuned = keras.models.load_model(HERE / "mid_training.keras")
+    for a, b in zip(base.weights, tuned.weights):
+        assert _same(np.asarray(a.numpy()), np.asarray(b.numpy())), a.path
+    for name in ("plan.json", "plan.toml"):
+        assert ff.Plan.load(HERE / name) == maker.plan(), name
+
+
+def _board(log_dir):
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    acc.Reload()
+    tags = sorted(acc.Tags()["tensors"])
+    texts = {t: make_ndarray(acc.Tensors(t)[0].tensor_proto).tolist() for t in tags if t.startswith("finefreeze/")}
+    return tags, texts
+
+
+def test_freezeboard_writes_what_the_previous_release_wrote(tmp_path):
+    maker = _maker()
+    model = maker.build_model()
+    frz = ff.Freezer(model, maker.plan())
+    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    x, y = maker.data()
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0, callbacks=[ff.callbacks.FreezeBoard(tmp_path)])
+    old_tags, old_texts = _board(HERE / "board")
+    new_tags, new_texts = _board(tmp_path)
+    assert old_tags and new_tags == old_tags
+    assert new_texts == old_texts
