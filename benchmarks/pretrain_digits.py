@@ -17,7 +17,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from finefreeze._digits import WEIGHTS, build_digits_model, source_task  # noqa: E402
+from finefreeze._data.digits import WEIGHTS, build_digits_model, source_task  # noqa: E402
 
 
 def main():

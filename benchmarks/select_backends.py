@@ -31,7 +31,7 @@ def child(modes: list[str], repeats: int) -> None:
     import numpy as np
 
     import finefreeze as ff
-    from finefreeze._digits import pretrained_digits_model, target_task
+    from finefreeze._data.digits import pretrained_digits_model, target_task
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model = pretrained_digits_model(seed=0)

@@ -38,7 +38,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
 import finefreeze as ff  # noqa: E402
-from finefreeze._digits import pretrained_digits_model, target_task  # noqa: E402
+from finefreeze._data.digits import pretrained_digits_model, target_task  # noqa: E402
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 BASE_LAYERS = ("dense_1", "dense_2", "bottleneck")

@@ -12,7 +12,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import finefreeze as ff  # noqa: E402
-from finefreeze._example import VOCAB, extend_vocabulary, make_data, pretrained_text_model  # noqa: E402
+from finefreeze._data.text_model import VOCAB, extend_vocabulary, make_data, pretrained_text_model  # noqa: E402
 
 model = pretrained_text_model(epochs=1, n=1024)  # 512 pretrained tokens, then 32 new rows
 emb = model.get_layer("token_embedding").embeddings

@@ -128,7 +128,7 @@ def nested():
 
 def transformer(vocab=50, seq=8, d=16, blocks=2, name="tfm"):
     tokens = keras.Input((seq,), dtype="int32")
-    from finefreeze._example import PositionEmbedding
+    from finefreeze._data.text_model import PositionEmbedding
 
     x = keras.layers.Embedding(vocab, d, name="token_embedding")(tokens)
     x = PositionEmbedding(name="position_embedding")(x)

@@ -10,11 +10,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util.tensor_util import make_ndarray
 
 import finefreeze as ff
-from finefreeze._maskview import FROZEN_RGB, TRAINED_RGB
+from finefreeze._report.maskview import FROZEN_RGB, TRAINED_RGB
 
 
 def model_and_freezer(strategy="auto"):
-    from finefreeze._example import DEFAULT_PLAN, build_text_model
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
 
     m = build_text_model()
     plan = ff.Plan.from_dict(DEFAULT_PLAN)
@@ -30,7 +30,7 @@ def events(log_dir):
 
 @pytest.mark.parametrize("strategy", ["restore", "compact", "mask"])
 def test_freezeboard_writes_table_fractions_masks_and_gradient_norms(tmp_path, strategy):
-    from finefreeze._example import make_data
+    from finefreeze._data.text_model import make_data
 
     m, frz = model_and_freezer(strategy)
     opt = keras.optimizers.SGD(0.05) if strategy == "mask" else keras.optimizers.AdamW(0.01)

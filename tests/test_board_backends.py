@@ -18,8 +18,8 @@ from tensorboard.util.tensor_util import make_ndarray
 
 import finefreeze as ff
 from backend_utils import gradients, two_dense
-from finefreeze._cli import main
-from finefreeze._maskview import FROZEN_RGB, TRAINED_RGB
+from finefreeze._cli.commands import main
+from finefreeze._report.maskview import FROZEN_RGB, TRAINED_RGB
 
 BACKEND = keras.backend.backend()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -48,7 +48,7 @@ def data(n=16, seed=1):
 
 @pytest.mark.parametrize("strategy", ["restore", "compact", "mask"])
 def test_tags_text_fractions_images_and_norms_read_back(tmp_path, strategy):
-    from finefreeze._example import DEFAULT_PLAN, build_text_model, make_data
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model, make_data
 
     model = build_text_model()
     plan = ff.Plan([*ff.Plan.from_dict(DEFAULT_PLAN).rules, ff.train("ff_in/bias[::4]")])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from finefreeze._cli import main
+from finefreeze._cli.commands import main
 
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 
@@ -31,7 +31,7 @@ def error_lines(stderr):
 
 
 def load(path):
-    import finefreeze._example  # noqa: F401
+    import finefreeze._data.text_model  # noqa: F401
 
     return keras.models.load_model(path, compile=False)
 
@@ -92,7 +92,7 @@ def test_verify_passes_then_names_a_flipped_frozen_value(tuned_dir, tmp_path):
 
 
 def plan_file(tmp_path):
-    from finefreeze._example import DEFAULT_PLAN
+    from finefreeze._data.text_model import DEFAULT_PLAN
 
     p = tmp_path / "plan.json"
     p.write_text(json.dumps(DEFAULT_PLAN))
@@ -111,7 +111,7 @@ def test_delta_export_apply_reproduces_tuned_and_refuses_other_bases(tuned_dir, 
     for p in tuned:
         assert np.array_equal(tuned[p].view(np.uint8), got[p].view(np.uint8)), p
 
-    from finefreeze._example import build_text_model
+    from finefreeze._data.text_model import build_text_model
 
     build_text_model(seed=7).save(tmp_path / "other.keras")
     other = run_cli("delta", "apply", tmp_path / "other.keras", delta, "-o", tmp_path / "x.keras")
@@ -134,7 +134,7 @@ def test_every_command_has_help():
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("m")
-    from finefreeze._example import build_text_model
+    from finefreeze._data.text_model import build_text_model
 
     build_text_model().save(d / "m.keras")
     return d / "m.keras"
@@ -210,7 +210,7 @@ def test_inspect_bundled_defaults_json():
 
 
 def test_inspect_reads_the_plan_saved_in_a_tuned_model(tmp_path):
-    from finefreeze._example import DEFAULT_PLAN, build_text_model
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
 
     m = build_text_model()
     frz = ff.Freezer(m, ff.Plan.from_dict(DEFAULT_PLAN))

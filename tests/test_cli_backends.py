@@ -12,19 +12,19 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util.tensor_util import make_ndarray
 
-from finefreeze._cli import main
-from finefreeze._example import DEFAULT_PLAN
+from finefreeze._cli.commands import main
+from finefreeze._data.text_model import DEFAULT_PLAN
 from test_backends import run_on
 
 #: ``python -c`` of the command with TensorFlow unimportable
 WITHOUT_TF = (
-    "import sys; sys.modules['tensorflow'] = None; from finefreeze._cli import main; "
+    "import sys; sys.modules['tensorflow'] = None; from finefreeze._cli.commands import main; "
     "code = main(sys.argv[1:]); assert sys.modules['tensorflow'] is None; sys.exit(code)"
 )
 
 
 def load(path):
-    import finefreeze._example  # noqa: F401  (the bundled layers)
+    import finefreeze._data.text_model  # noqa: F401  (the bundled layers)
 
     return keras.models.load_model(path, compile=False)
 
@@ -145,7 +145,7 @@ def test_verify_and_delta_apply_read_the_outputs(tuned, tmp_path, capsys):
 @pytest.mark.parametrize(
     "backend, code, missing",
     [
-        ("jaxx", "from finefreeze._cli import main; import sys; sys.exit(main(sys.argv[1:]))", "jaxx"),
+        ("jaxx", "from finefreeze._cli.commands import main; import sys; sys.exit(main(sys.argv[1:]))", "jaxx"),
         ("tensorflow", WITHOUT_TF, "No module named 'tensorflow"),
     ],
 )

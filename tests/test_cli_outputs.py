@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import pytest
 
-from finefreeze._cli import main
+from finefreeze._cli.commands import main
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 #: the environment of a person's shell: no TensorFlow quieting of our own
@@ -79,7 +79,7 @@ def test_a_used_out_is_refused_without_force_and_nothing_changes(done):
 def test_no_command_writes_over_its_input(done, tmp_path):
     before = tree(done)
     plan = tmp_path / "plan.json"
-    from finefreeze._example import DEFAULT_PLAN, make_data
+    from finefreeze._data.text_model import DEFAULT_PLAN, make_data
 
     plan.write_text(json.dumps(DEFAULT_PLAN))
     x, y = make_data(64, new_tokens=True)
@@ -98,7 +98,7 @@ def test_no_command_writes_over_its_input(done, tmp_path):
 
 def test_existing_output_files_need_force(tmp_path, capsys):
     import finefreeze as ff
-    from finefreeze._example import DEFAULT_PLAN, build_text_model
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
 
     m = build_text_model()
     frz = ff.Freezer(m, ff.Plan.from_dict(DEFAULT_PLAN))
@@ -132,7 +132,7 @@ def test_out_that_is_a_file_or_under_a_file_is_one_line(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory):
     d = tmp_path_factory.mktemp("broken")
-    from finefreeze._example import build_text_model
+    from finefreeze._data.text_model import build_text_model
 
     build_text_model().save(d / "good.keras")
     data = (d / "good.keras").read_bytes()
@@ -245,7 +245,7 @@ def test_other_commands_print_nothing_on_stderr(done, tmp_path):
 def test_force_replaces_a_previous_run_whole(done, tmp_path):
     import shutil
 
-    from finefreeze._example import DEFAULT_PLAN, make_data
+    from finefreeze._data.text_model import DEFAULT_PLAN, make_data
 
     out = tmp_path / "out"
     shutil.copytree(done, out)
@@ -269,7 +269,7 @@ def test_force_replaces_a_previous_run_whole(done, tmp_path):
 
 DROPPED_INTERRUPT = """
 import signal, weakref
-from finefreeze._atomic import catch_interrupts, check_interrupt
+from finefreeze._files.atomic import catch_interrupts, check_interrupt
 
 class Thing:
     pass

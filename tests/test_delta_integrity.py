@@ -100,7 +100,7 @@ def test_every_flipped_byte_is_refused_or_harmless(tmp_path):
 @pytest.mark.slow
 @pytest.mark.one_backend
 def test_spread_flips_of_the_bundled_delta_are_refused_or_harmless(tmp_path):
-    from finefreeze._example import DEFAULT_PLAN, build_text_model
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
 
     base, tuned = build_text_model(), build_text_model()
     frz = ff.Freezer(tuned, ff.Plan.from_dict(DEFAULT_PLAN))

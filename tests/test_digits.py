@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 
-from finefreeze._digits import WEIGHTS, pretrained_digits_model, source_task, target_task
+from finefreeze._data.digits import WEIGHTS, pretrained_digits_model, source_task, target_task
 
 
 def test_shipped_base_is_small_and_loads_exactly():

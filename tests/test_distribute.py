@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import finefreeze as ff
 from conftest import N_LOGICAL_CPUS
-from finefreeze._distribute import replica_values
+from finefreeze._backends.distribute import replica_values
 
 PLAN = ff.Plan([ff.freeze("**/a/kernel[:2]"), ff.freeze("**/b/bias"), ff.train("**/b/bias[1]")])
 X = np.random.default_rng(0).normal(size=(64, 5)).astype("float32")

@@ -41,7 +41,7 @@ def test_every_public_name_loads_on_use():
     from finefreeze import Freezer, load_delta
 
     assert Freezer is ff.Freezer and load_delta is ff.load_delta
-    assert ff.callbacks.FreezeBoard.__module__ == "finefreeze._board"
+    assert ff.callbacks.FreezeBoard.__module__ == "finefreeze._callbacks.board"
     assert ff.layers.PositionEmbedding.__module__ == "finefreeze.layers"
     try:
         ff.no_such_name  # noqa: B018
@@ -54,7 +54,7 @@ def test_every_public_name_loads_on_use():
 def test_help_of_every_command_imports_no_tensorflow():
     code = (
         "import sys\n"
-        "from finefreeze._cli import main\n"
+        "from finefreeze._cli.commands import main\n"
         "for cmd in ([], ['finetune'], ['inspect'], ['verify'], ['delta'], ['delta', 'export'], ['delta', 'apply']):\n"
         "    try:\n"
         "        main([*cmd, '--help'])\n"
@@ -70,7 +70,7 @@ def test_help_of_every_command_imports_no_tensorflow():
 
 
 def saved_model(path):
-    from finefreeze._example import DEFAULT_PLAN, build_text_model
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
 
     m = build_text_model()
     frz = ff.Freezer(m, ff.Plan.from_dict(DEFAULT_PLAN))

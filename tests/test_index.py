@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import finefreeze as ff
-from finefreeze._index import parse_index
+from finefreeze._plan.index import parse_index
 
 
 @st.composite

@@ -8,7 +8,7 @@ import pytest
 
 import finefreeze as ff
 from backbones import mobilenet, transformer_backbone
-from finefreeze._scopes import drop_ambiguous_aliases
+from finefreeze._resolve.scopes import drop_ambiguous_aliases
 
 
 def resnet50():

@@ -10,8 +10,8 @@ import pytest
 
 import finefreeze as ff
 from backend_utils import BACKEND, gradients
-from finefreeze._layout import _kind, index_dtype
-from finefreeze._strategies import unravel
+from finefreeze._enforce.enforcer import unravel
+from finefreeze._enforce.layout import _kind, index_dtype
 
 
 def two_layers(name="m", seed=0):

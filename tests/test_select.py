@@ -344,7 +344,7 @@ def test_scores_stream_one_accumulator_per_element_whatever_the_number_of_batche
 
 @pytest.mark.slow
 def test_cli_finetune_select_writes_and_uses_the_selected_plan(tmp_path, capsys):
-    from finefreeze._cli import main
+    from finefreeze._cli.commands import main
 
     out = tmp_path / "out"
     if keras.backend.backend() != "tensorflow":  # the command line runs on TensorFlow, and says so elsewhere

@@ -19,8 +19,8 @@ import pytest
 
 import finefreeze as ff
 from backend_utils import attention_model, gradients
-from finefreeze._scores import stream_scores
-from finefreeze._select import split_budget
+from finefreeze._select.scores import stream_scores
+from finefreeze._select.select import split_budget
 
 BACKEND = keras.backend.backend()
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ import keras
 import pytest
 
 import finefreeze as ff
-from finefreeze._example import DEFAULT_PLAN, build_text_model
+from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
 
 
 def table_rows(text):

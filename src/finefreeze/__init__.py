@@ -23,43 +23,43 @@ from finefreeze._version import __version__ as __version__
 if TYPE_CHECKING:  # what static tools see; at run time the table below loads them on use
     from finefreeze import callbacks as callbacks
     from finefreeze import layers as layers
-    from finefreeze._blocks import Block as Block
-    from finefreeze._blocks import Blocks as Blocks
-    from finefreeze._blocks import blocks as blocks
-    from finefreeze._delta import load_delta as load_delta
     from finefreeze._errors import DeltaError as DeltaError
     from finefreeze._errors import DistributionError as DistributionError
     from finefreeze._errors import FreezeWarning as FreezeWarning
     from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
     from finefreeze._errors import PlanError as PlanError
-    from finefreeze._freezer import Freezer as Freezer
-    from finefreeze._optimizer import FreezingOptimizer as FreezingOptimizer
-    from finefreeze._plan import Plan as Plan
-    from finefreeze._rules import Rule as Rule
-    from finefreeze._rules import freeze as freeze
-    from finefreeze._rules import train as train
-    from finefreeze._select import select as select
+    from finefreeze._files.delta import load_delta as load_delta
+    from finefreeze._freezer.freezer import Freezer as Freezer
+    from finefreeze._optimizer.wrapper import FreezingOptimizer as FreezingOptimizer
+    from finefreeze._plan.plan import Plan as Plan
+    from finefreeze._plan.rules import Rule as Rule
+    from finefreeze._plan.rules import freeze as freeze
+    from finefreeze._plan.rules import train as train
+    from finefreeze._resolve.blocks import Block as Block
+    from finefreeze._resolve.blocks import Blocks as Blocks
+    from finefreeze._resolve.blocks import blocks as blocks
+    from finefreeze._select.select import select as select
 
 #: public name -> the module that defines it ("" for a public submodule)
 _LAZY = {
-    "Block": "finefreeze._blocks",
-    "Blocks": "finefreeze._blocks",
-    "blocks": "finefreeze._blocks",
+    "Block": "finefreeze._resolve.blocks",
+    "Blocks": "finefreeze._resolve.blocks",
+    "blocks": "finefreeze._resolve.blocks",
     "DeltaError": "finefreeze._errors",
     "DistributionError": "finefreeze._errors",
     "FreezeWarning": "finefreeze._errors",
-    "Freezer": "finefreeze._freezer",
-    "FreezingOptimizer": "finefreeze._optimizer",
+    "Freezer": "finefreeze._freezer.freezer",
+    "FreezingOptimizer": "finefreeze._optimizer.wrapper",
     "FrozenValueChanged": "finefreeze._errors",
-    "Plan": "finefreeze._plan",
+    "Plan": "finefreeze._plan.plan",
     "PlanError": "finefreeze._errors",
-    "Rule": "finefreeze._rules",
+    "Rule": "finefreeze._plan.rules",
     "callbacks": "",
-    "freeze": "finefreeze._rules",
+    "freeze": "finefreeze._plan.rules",
     "layers": "",
-    "load_delta": "finefreeze._delta",
-    "select": "finefreeze._select",
-    "train": "finefreeze._rules",
+    "load_delta": "finefreeze._files.delta",
+    "select": "finefreeze._select.select",
+    "train": "finefreeze._plan.rules",
 }
 
 __all__ = sorted([*_LAZY, "__version__"])

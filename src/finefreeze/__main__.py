@@ -2,6 +2,6 @@
 
 import sys
 
-from finefreeze._cli import main
+from finefreeze._cli.commands import main
 
 sys.exit(main())

@@ -20,7 +20,7 @@ import warnings
 __all__ = ["register_when_keras_loads", "register_now", "finish_pending"]
 
 #: modules whose import registers every Keras class finefreeze writes into model files
-_REGISTERING = ("finefreeze._optimizer", "finefreeze.layers")
+_REGISTERING = ("finefreeze._optimizer.wrapper", "finefreeze.layers")
 _pending = False
 
 

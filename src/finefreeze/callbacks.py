@@ -6,9 +6,9 @@ Example:
     ['FreezeBoard', 'FreezeSchedule', 'GradualUnfreezing', 'Reselect']
 """
 
-from finefreeze._board import FreezeBoard as FreezeBoard
-from finefreeze._reselect import Reselect as Reselect
-from finefreeze._schedule import FreezeSchedule as FreezeSchedule
-from finefreeze._schedule import GradualUnfreezing as GradualUnfreezing
+from finefreeze._callbacks.board import FreezeBoard as FreezeBoard
+from finefreeze._callbacks.reselect import Reselect as Reselect
+from finefreeze._callbacks.schedule import FreezeSchedule as FreezeSchedule
+from finefreeze._callbacks.schedule import GradualUnfreezing as GradualUnfreezing
 
 __all__ = ["FreezeBoard", "FreezeSchedule", "GradualUnfreezing", "Reselect"]

@@ -1,0 +1,177 @@
+"""The per-backend seam: the few operations that differ between Keras backends.
+
+Strategies are written once with ``keras.ops``. What is truly backend
+specific lives here and nowhere else:
+
+- TensorFlow: writes under ``tf.distribute`` go through ``merge_call`` and
+  ``extended.update`` (every replica's copy); sparse ``IndexedSlices``
+  gradients (embeddings) stay sparse; compact results are scattered in place
+  with ``scatter_nd_update``; a build traced inside ``tf.function`` reads
+  values under ``tf.init_scope``.
+- JAX and PyTorch: plain ``variable.assign`` (inside JAX's stateless,
+  jitted train step the assignments are recorded by Keras' StatelessScope);
+  compact results are written with a functional ``scatter_update`` into the
+  flattened value; a JAX snapshot is the (immutable) value itself.
+
+TensorFlow is imported only when it is the Keras backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import keras
+import numpy as np
+
+__all__ = [
+    "current",
+    "eager_scope",
+    "flat_dense",
+    "native",
+    "scatter_write",
+    "select_frozen_to_zero",
+    "snapshot",
+    "tensorflow",
+    "to_numpy",
+    "write_all",
+]
+
+
+def tensorflow():
+    """The ``tensorflow`` module when it is the Keras backend, else None."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return tf
+
+
+def to_numpy(x) -> np.ndarray:
+    """The value of a variable or tensor as a numpy array, on every backend."""
+    if isinstance(x, keras.Variable) or keras.ops.is_tensor(x):
+        return np.asarray(keras.ops.convert_to_numpy(x))
+    numpy = getattr(x, "numpy", None)  # a raw tf.Variable, a value read through a session
+    return np.asarray(numpy() if numpy is not None else x)
+
+
+def native(v):
+    """The backend variable behind a Keras variable (a raw ``tf.Variable`` stays itself)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(v, tf.Variable):
+        return v
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def snapshot(v):
+    """A tensor holding the variable's value now, unaffected by later writes.
+
+    JAX arrays are immutable: the value itself (a copy would cost a pass over
+    the variable inside the jitted step). PyTorch updates in place: a copy.
+    """
+    tf = tensorflow()
+    if tf is not None:
+        return tf.identity(native(v))
+    if keras.backend.backend() == "jax":
+        return v.value
+    return keras.ops.copy(v.value)
+
+
+def current(v):
+    """The variable's value now, read to compute a value that is then written back to it.
+
+    No copy off TensorFlow (whatever is computed from it is a new tensor);
+    TensorFlow reads it as :func:`snapshot` does.
+    """
+    if tensorflow() is not None:
+        return snapshot(v)
+    return v.value
+
+
+def _is_sparse(grad) -> bool:
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(grad, tf.IndexedSlices)
+
+
+def select_frozen_to_zero(mask, grad):
+    """``grad`` with frozen elements (``mask`` True) selected to 0 (``where``, never a product)."""
+    if _is_sparse(grad):  # TensorFlow embeddings: stay sparse, select the touched rows only
+        tf = sys.modules["tensorflow"]
+        rows = tf.gather(mask, grad.indices)
+        values = tf.where(rows, tf.zeros_like(grad.values), grad.values)
+        return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+    grad = keras.ops.convert_to_tensor(grad)
+    return keras.ops.where(mask, keras.ops.zeros_like(grad), grad)
+
+
+def flat_dense(grad):
+    """``grad`` as a dense flat tensor (an ``IndexedSlices`` is densified)."""
+    if _is_sparse(grad):
+        grad = sys.modules["tensorflow"].convert_to_tensor(grad)
+    return keras.ops.reshape(keras.ops.convert_to_tensor(grad), (-1,))
+
+
+def assign(var, value):
+    return var.assign(value)
+
+
+def _tf_scatter(var, indices, values):
+    return var.scatter_nd_update(indices, values)
+
+
+def _functional_scatter(var, flat_index, values):
+    flat = keras.ops.reshape(var.value, (-1,))
+    flat = keras.ops.scatter_update(flat, keras.ops.expand_dims(flat_index, 1), values)
+    return var.assign(keras.ops.reshape(flat, var.shape))
+
+
+def scatter_write(variable, flat_index, values) -> tuple:
+    """A write (for :func:`write_all`) that puts ``values`` at the flat indices ``flat_index`` of ``variable``.
+
+    TensorFlow scatters in place into the variable (``scatter_nd_update`` with
+    ``(k, ndim)`` indices); JAX and PyTorch scatter into the flattened value,
+    which needs no index arithmetic (XLA updates a donated buffer in place).
+    """
+    if tensorflow() is not None:
+        from finefreeze._enforce.enforcer import unravel
+
+        return (variable, _tf_scatter, (unravel(flat_index, tuple(int(d) for d in variable.shape)), values))
+    return (variable, _functional_scatter, (flat_index, values))
+
+
+def write_all(writes) -> None:
+    """Perform ``[(variable, fn, args)]`` writes through the backend's update path.
+
+    Under ``tf.distribute`` a write from replica context goes through
+    ``merge_call`` and ``extended.update``, which runs ``fn`` on every
+    replica's copy with that replica's ``args``; a bare replica-context
+    ``assign`` would aggregate the replicas' values (``aggregation="mean"``
+    rounds them). Elsewhere this is a plain call of each ``fn``.
+    """
+    if not writes:
+        return
+    tf = tensorflow()
+    if tf is None:
+        for var, fn, args in writes:
+            fn(var, *args)
+        return
+    tf_vars = [native(v) for v, _, _ in writes]
+
+    def merged(strategy, *all_args):
+        for var, (_, fn, _), args in zip(tf_vars, writes, all_args):
+            strategy.extended.update(var, fn, args=args, group=False)
+
+    args = [a for _, _, a in writes]
+    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+        tf.__internal__.distribute.interim.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
+        return
+    from finefreeze._backends.distribute import owner_scope
+
+    with owner_scope(tf_vars):  # e.g. finalize_variable_values after fit, outside the scope
+        merged(tf.distribute.get_strategy(), *args)
+
+
+def eager_scope():
+    """A context where variable values can be read eagerly, even while TensorFlow traces a function."""
+    tf = tensorflow()
+    return tf.init_scope() if tf is not None else contextlib.nullcontext()

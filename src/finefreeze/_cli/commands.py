@@ -1,0 +1,314 @@
+"""The ``finefreeze`` command line: ``finetune``, ``inspect``, ``verify``, ``delta``.
+
+Exit codes: 0 ok, 1 verification failed, 2 bad input or environment (one
+line on stderr, no traceback; OS errors included), 130 interrupted (one
+line, no traceback, no stray files). Every command has ``--help``, which
+imports neither TensorFlow nor Keras. Every command runs on the Keras
+backend ``KERAS_BACKEND`` names (TensorFlow, JAX or PyTorch); TensorFlow's
+logging is quieted first, as Keras imports it when it is installed (the
+backend, or ``model.save`` on the others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from finefreeze._cli.inputs import check_model_file, load_model, load_plan, plan_from_keras_file
+from finefreeze._files.atomic import UserError, atomic_path, catch_interrupts, check_interrupt, refuse_overwrite
+
+__all__ = ["main", "build_parser"]
+
+
+def _quiet_tf() -> None:
+    """Silence TensorFlow's C++ and absl logging; runs before TensorFlow is imported."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # else a oneDNN notice is printed before logging is set up
+    os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
+    try:
+        import absl.logging  # light; TensorFlow's Python logging goes through it
+    except ImportError:
+        return
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    absl.logging.set_stderrthreshold("error")
+
+
+def _bundled_model():
+    from finefreeze._data.text_model import build_text_model
+
+    return build_text_model()
+
+
+def cmd_finetune(args) -> int:
+    from finefreeze._cli.finetune import finetune
+    from finefreeze._report.events import require_tensorboard
+
+    require_tensorboard("finefreeze finetune")  # before --select's slow work
+    if args.budget is not None and args.select is None:
+        raise UserError("--budget goes with --select SCORE (it is the size of the selection)")
+    with tempfile.TemporaryDirectory() as scratch:  # nothing lands in --out before finetune's own checks
+        plan = args.plan
+        if args.select is not None:  # choose the plan from the training data first
+            if args.plan is not None:
+                raise UserError("--select and --plan exclude each other: --select writes the plan")
+            from finefreeze._cli.selectfile import select_to_file
+
+            budget = "0.01" if args.budget is None else args.budget
+            plan = select_to_file(args.model, args.data, score=args.select, budget=budget, out=scratch)
+        result = finetune(
+            args.model,
+            data=args.data,
+            plan=plan,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            strategy=args.strategy,
+            out=args.out,
+            force=args.force,
+            verbose=0 if args.quiet else 1,
+            print_fn=(lambda *a, **k: None) if args.quiet else print,
+            selected=args.select is not None,
+        )
+    print(result.line())
+    return 0 if result.verified else 1
+
+
+def cmd_inspect(args) -> int:
+    from finefreeze._freezer.freezer import Freezer
+    from finefreeze._plan.plan import Plan
+
+    if args.model is not None:
+        check_model_file(args.model)
+    if args.plan is None and args.model is not None and plan_from_keras_file(args.model) is None:
+        plan = Plan([])  # no plan anywhere: the variables as Keras trains them
+        if not args.json:
+            print(
+                f"{args.model} holds no finefreeze plan: every variable as Keras trains it (give one with --plan PLAN)"
+            )
+    else:
+        plan = load_plan(args.plan, model_file=args.model)
+    model = _bundled_model() if args.model is None else load_model(args.model)
+    frz = Freezer(model, plan)
+    if args.json:
+        print(json.dumps(frz.report(), indent=2))
+    else:
+        print(frz.summary(variables=not args.layers_only))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from finefreeze._errors import FrozenValueChanged
+    from finefreeze._freezer.freezer import Freezer
+
+    check_model_file(args.base)
+    check_model_file(args.tuned)
+    plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
+    base, tuned = load_model(args.base), load_model(args.tuned)
+    frz = Freezer(tuned, plan)
+    try:
+        frz.verify(reference=base)
+    except FrozenValueChanged as e:
+        print(f"FAILED: frozen elements differ between {args.base} and {args.tuned}:")
+        for path, where in e.violations:
+            print(f"  {path}: {where}")
+        return 1
+    t = frz.report()["totals"]
+    print(f"OK: all {t['frozen_elements']:,} frozen elements of {args.tuned} are bit-identical to {args.base}")
+    return 0
+
+
+def cmd_delta_export(args) -> int:
+    from finefreeze._freezer.freezer import Freezer
+
+    check_model_file(args.tuned)
+    refuse_overwrite([args.output], [args.tuned, args.plan], "delta export")
+    plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
+    with atomic_path(args.output, force=args.force) as tmp:
+        frz = Freezer(load_model(args.tuned), plan)
+        info = frz.save_delta(tmp)
+    print(f"wrote {args.output}: {info['tensors']} tensors, {info['bytes']:,} bytes")
+    return 0
+
+
+def cmd_delta_apply(args) -> int:
+    from finefreeze._errors import DeltaError
+    from finefreeze._files.delta import load_delta
+
+    check_model_file(args.base)
+    refuse_overwrite([args.output], [args.base, args.delta], "delta apply")
+    if not os.path.exists(args.delta):
+        raise UserError(f"delta file {args.delta!r} does not exist")
+    with atomic_path(args.output, force=args.force) as tmp:
+        model = load_model(args.base)
+        try:
+            info = load_delta(model, args.delta)
+        except DeltaError as e:
+            raise UserError(str(e)) from None
+        model.save(tmp)
+    print(f"wrote {args.output}: {info['elements']:,} elements in {info['variables']} variables from {args.delta}")
+    return 0
+
+
+_MODEL_HELP = "a .keras model (default: the bundled text model)"
+_PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
+
+
+def _command(sub, name: str, fn, help: str, description: str) -> argparse.ArgumentParser:
+    """One subcommand: its parser, help line, description and handler."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(fn=fn)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command."""
+    p = argparse.ArgumentParser(prog="finefreeze", description="Freeze any part of a Keras model, exactly.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ft = _command(
+        sub,
+        "finetune",
+        cmd_finetune,
+        "fine-tune a model under a plan (bundled example by default)",
+        "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
+        "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to --out. "
+        "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
+        "plan that trains only the new embedding rows and the head.",
+    )
+    ft.add_argument("model", nargs="?", help=_MODEL_HELP)
+    ft.add_argument("--data", help=".npz with x, y (optional x_val, y_val); required with MODEL")
+    ft.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
+    ft.add_argument("--optimizer", default="adamw", help="a Keras optimizer name (default: adamw)")
+    ft.add_argument("--lr", type=float, default=5e-3, help="learning rate (default: 5e-3)")
+    ft.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
+    ft.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    ft.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "restore", "compact", "mask"],
+        help="how partially frozen variables are enforced (default: auto)",
+    )
+    ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
+    ft.add_argument("--force", action="store_true", help="replace the files of a previous run in --out")
+    ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
+    ft.add_argument(
+        "--select",
+        choices=["fisher", "gradient", "magnitude", "delta", "random"],
+        help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
+    )
+    ft.add_argument(
+        "--budget", default=None, help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
+    )
+
+    ins = _command(
+        sub,
+        "inspect",
+        cmd_inspect,
+        "show what a plan freezes, without training",
+        "Print the freeze summary of MODEL under PLAN (bundled example by default).",
+    )
+    ins.add_argument("model", nargs="?", help=_MODEL_HELP)
+    ins.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    ins.add_argument("--layers-only", action="store_true", help="one row per layer")
+
+    ver = _command(
+        sub,
+        "verify",
+        cmd_verify,
+        "check that a fine-tune left every frozen element bit-identical",
+        "Exit 0 when every element PLAN freezes is bit-identical in BASE and TUNED, 1 otherwise.",
+    )
+    ver.add_argument("base", help="the .keras model fine-tuning started from")
+    ver.add_argument("tuned", help="the fine-tuned .keras model")
+    ver.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
+
+    dl = sub.add_parser("delta", help="export or apply a delta file", description="Delta files (safetensors).")
+    dsub = dl.add_subparsers(dest="delta_command", required=True, metavar="ACTION")
+    ex = _command(
+        dsub,
+        "export",
+        cmd_delta_export,
+        "write what TUNED trained to a delta file",
+        "Write the trainable elements of TUNED under PLAN to a .safetensors delta.",
+    )
+    ex.add_argument("tuned", help="the fine-tuned .keras model")
+    ex.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    ex.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
+    ex.add_argument("--force", action="store_true", help="replace an existing output file")
+    ap = _command(
+        dsub,
+        "apply",
+        cmd_delta_apply,
+        "apply a delta file to its base model",
+        "Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result.",
+    )
+    ap.add_argument("base", help="the .keras base model")
+    ap.add_argument("delta", help="the .safetensors delta")
+    ap.add_argument("-o", "--output", required=True, help="the .keras file to write")
+    ap.add_argument("--force", action="store_true", help="replace an existing output file")
+    return p
+
+
+def _os_error(e: OSError) -> str:
+    where = f" {e.filename!r}" if e.filename else ""
+    return f"{e.strerror or e}{':' if where else ''}{where}"
+
+
+_BACKEND_MODULES = frozenset({"tensorflow", "jax", "torch"})
+
+
+def _backend_hint(e: Exception) -> str:
+    """What to do when the Keras backend cannot be loaded ('' for other errors)."""
+    missing = (getattr(e, "name", None) or "").split(".")[0]
+    if not str(e).startswith("Unable to import backend") and missing not in _BACKEND_MODULES:
+        return ""
+    chosen = os.environ.get("KERAS_BACKEND", "tensorflow (Keras' default, or ~/.keras/keras.json)")
+    return (
+        f" (the Keras backend is KERAS_BACKEND={chosen}: set KERAS_BACKEND to an installed backend, "
+        "tensorflow, jax or torch, or install one: pip install 'finefreeze[jax]')"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``finefreeze`` command; returns the exit code (0, 1, 2 or 130)."""
+    _quiet_tf()
+    name = "finefreeze"
+    try:
+        with catch_interrupts():
+            args = build_parser().parse_args(argv)
+            name += f" {args.command}" + (f" {args.delta_command}" if args.command == "delta" else "")
+            from finefreeze._errors import DeltaError, PlanError
+
+            try:
+                code = args.fn(args)
+            except (UserError, PlanError, DeltaError, ImportError) as e:
+                check_interrupt()  # an error caused by the interrupt is the interrupt
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"{name}: error: {first}{_backend_hint(e)}", file=sys.stderr)
+                return 2
+            except ValueError as e:
+                if not str(e).startswith("Unable to import backend"):
+                    raise
+                print(f"{name}: error: {e}{_backend_hint(e)}", file=sys.stderr)
+                return 2
+            except BrokenPipeError:  # the reader went away (`finefreeze inspect | head`): nothing to say
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 141
+            except OSError as e:
+                check_interrupt()
+                print(f"{name}: error: {_os_error(e)}", file=sys.stderr)
+                return 2
+            check_interrupt()
+            return code
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; no file was left half-written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The main job: fine-tune a model under a plan, verify it, and ship a delta.
+
+``finefreeze finetune`` is a thin argument parser over :func:`finetune`.
+With no model it runs on the bundled example: a small text model pretrained
+on a generated task, extended with new tokens, fine-tuned on data that needs
+them, under a plan that trains only the new embedding rows and the head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+
+from finefreeze._cli.inputs import check_model_file, load_data, load_model, load_plan, plan_from_keras_file
+from finefreeze._files.atomic import Staging, UserError, check_interrupt
+
+__all__ = ["finetune", "Result", "OUTPUTS"]
+
+#: every name ``finetune`` may write in ``--out``
+OUTPUTS = (
+    "base.keras",
+    "tuned.keras",
+    "delta.safetensors",
+    "report.json",
+    "tensorboard",
+    "frozen.png",
+    "selected-plan.json",
+)
+
+
+def _loss_for(model, y):
+    import keras
+
+    last = model.layers[-1]
+    probs = getattr(getattr(last, "activation", None), "__name__", "") == "softmax"
+    if np.issubdtype(y.dtype, np.integer) and y.ndim == 1:
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=not probs), ["accuracy"]
+    onehot = y.ndim == 2 and y.shape[1] > 1 and np.isin(y, (0, 1)).all() and (y.sum(axis=1) == 1).all()
+    if onehot:
+        return keras.losses.CategoricalCrossentropy(from_logits=not probs), ["accuracy"]
+    return keras.losses.MeanSquaredError(), []
+
+
+def _optimizer(name: str, lr: float):
+    import keras
+
+    try:
+        opt = keras.optimizers.get(name)
+    except (ValueError, TypeError):
+        known = sorted(
+            n.lower()
+            for n in dir(keras.optimizers)
+            if isinstance(getattr(keras.optimizers, n), type)
+            and issubclass(getattr(keras.optimizers, n), keras.optimizers.Optimizer)
+            and n not in ("Optimizer", "LossScaleOptimizer", "MultiOptimizer")
+        )
+        raise UserError(f"unknown optimizer {name!r}; choose one of {', '.join(known)}") from None
+    opt.learning_rate = lr
+    return opt
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.1f} KiB"
+
+
+@dataclasses.dataclass
+class Result:
+    """What :func:`finetune` produced (also written to ``report.json``)."""
+
+    out: str
+    trainable_elements: int
+    frozen_elements: int
+    verified: bool
+    delta_bytes: int
+    weights_bytes: int
+    files: dict
+    history: dict
+    metric: dict
+
+    def line(self) -> str:
+        ok = "verify OK (every frozen element bit-identical)" if self.verified else "verify FAILED"
+        m = self.metric
+        return (
+            f"finefreeze finetune: {m['name']} {m['before']:.4f} before, {m['after']:.4f} after; "
+            f"{self.trainable_elements:,} elements trained, {self.frozen_elements:,} frozen; "
+            f"{ok}; delta {_kib(self.delta_bytes)} = {100 * self.delta_bytes / self.weights_bytes:.1f}% "
+            f"of the {_kib(self.weights_bytes)} of weights; wrote {self.out}"
+        )
+
+
+def _stop_on_interrupt():
+    """A callback that ends ``fit`` at the next batch after a Ctrl-C that Python swallowed."""
+    import keras
+
+    class StopOnInterrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            check_interrupt()
+
+        def on_test_batch_end(self, batch, logs=None):
+            check_interrupt()
+
+    return StopOnInterrupt()
+
+
+def _metric(model, val, batch_size: int, name: str) -> float:
+    """``name`` (a compiled metric, or the loss) on the validation data."""
+    got = model.evaluate(val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True)
+    return float(got[name])
+
+
+def finetune(
+    model_path: str | None = None,
+    *,
+    data: str | None = None,
+    plan: str | None = None,
+    optimizer: str = "adamw",
+    lr: float = 5e-3,
+    epochs: int = 4,
+    batch_size: int = 64,
+    strategy: str = "auto",
+    out: str = "finefreeze-out",
+    force: bool = False,
+    verbose: int = 1,
+    print_fn=print,
+    selected: bool = False,
+) -> Result:
+    """Fine-tune under a plan; write the model, delta, report, TensorBoard log and picture.
+
+    Every input is checked before the first slow step; every output is
+    written in a hidden folder inside ``out`` and renamed into place at the
+    end, so an error or an interrupt leaves ``out`` as it was.
+    """
+    from finefreeze._report.events import require_tensorboard
+
+    require_tensorboard("finefreeze finetune")
+    if epochs < 1 or batch_size < 1 or not lr > 0:
+        raise UserError(f"--epochs ({epochs}), --batch-size ({batch_size}) and --lr ({lr}) must be positive")
+    if model_path is not None:
+        check_model_file(model_path)
+        if plan is None and plan_from_keras_file(model_path) is None:
+            raise UserError(f"--plan PLAN is required with a model file ({model_path!r} holds no plan)")
+        if data is None:
+            raise UserError("--data DATA.npz is required with a model file")
+    the_plan = load_plan(plan, model_file=model_path)
+    if data is not None and not os.path.exists(data):
+        raise UserError(f"data file {data!r} does not exist")
+    with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json") as stage:
+        if selected:  # the plan --select chose is an output of this run
+            shutil.copyfile(plan, stage.path("selected-plan.json"))
+        what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"
+        print_fn(f"finefreeze finetune: {what} ...", flush=True)
+        return _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn)
+
+
+def _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn):
+    import finefreeze as ff
+
+    opt = _optimizer(optimizer, lr)
+    model = load_model(model_path)
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        raise UserError("finetune takes models with one input and one output; use the Python API for others")
+    (x, y), val = load_data(data, model)
+    frz = ff.Freezer(model, the_plan, strategy=strategy)
+    out = stage.out
+    files = {}
+    if model_path is None:
+        model.save(stage.path("base.keras"))
+        files["base"] = os.path.join(out, "base.keras")
+    print_fn(frz.summary(variables=False))
+    loss, metrics = _loss_for(model, y)
+    model.compile(optimizer=frz.wrap(opt), loss=loss, metrics=metrics)
+    name = metrics[0] if metrics else "loss"
+    before = _metric(model, val, batch_size, name)
+    board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
+    try:
+        hist = model.fit(
+            x,
+            y,
+            validation_data=val,
+            epochs=epochs,
+            batch_size=batch_size,
+            verbose=verbose,
+            callbacks=[board, _stop_on_interrupt()],
+        )
+    finally:
+        board.on_train_end()  # closes the event file even when fit is interrupted (idempotent)
+    files["tensorboard"] = os.path.join(out, "tensorboard")
+    after = _metric(model, val, batch_size, name)
+    metric = {"name": f"val_{name}", "before": before, "after": after}
+    try:
+        frz.verify()
+        verified, violations = True, []
+    except ff.FrozenValueChanged as e:
+        verified, violations = False, [list(v) for v in e.violations]
+    check_interrupt()
+    model.save(stage.path("tuned.keras"))
+    files["model"] = os.path.join(out, "tuned.keras")
+    check_interrupt()
+    delta = frz.save_delta(stage.path("delta.safetensors"))
+    files["delta"] = os.path.join(out, "delta.safetensors")
+    weights = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+    try:
+        frz.plot(stage.path("frozen.png"))
+        files["picture"] = os.path.join(out, "frozen.png")
+    except ImportError as e:
+        print_fn(f"(picture skipped: {e})")
+    rep = frz.report()
+    t = rep["totals"]
+    files["report"] = os.path.join(out, "report.json")
+    result = Result(
+        out=out,
+        trainable_elements=t["trainable_elements"],
+        frozen_elements=t["frozen_elements"],
+        verified=verified,
+        delta_bytes=delta["bytes"],
+        weights_bytes=weights,
+        files=files,
+        history={k: [float(v) for v in vs] for k, vs in hist.history.items()},
+        metric=metric,
+    )
+    rep["finetune"] = {
+        "verified": verified,
+        "violations": violations,
+        "metric": metric,
+        "delta_bytes": delta["bytes"],
+        "weights_bytes": weights,
+        "files": files,
+        "history": result.history,
+        "optimizer": optimizer,
+        "lr": lr,
+        "epochs": epochs,
+        "batch_size": batch_size,
+    }
+    with open(stage.path("report.json"), "w") as f:
+        json.dump(rep, f, indent=2, default=_json_default)
+    stage.commit()
+    return result
+
+
+def _json_default(o: Any):
+    if isinstance(o, (np.integer, np.floating)):
+        return o.item()
+    return str(o)

@@ -1,0 +1,56 @@
+"""``finefreeze finetune --select SCORE --budget B``: choose the plan from data, write it to a file."""
+
+from __future__ import annotations
+
+import os
+
+from finefreeze._cli.finetune import UserError, load_data, load_model
+from finefreeze._errors import PlanError
+from finefreeze._select.scores import SCORES
+from finefreeze._select.select import select
+
+__all__ = ["select_to_file", "SCORES"]
+
+
+def _budget(text: str) -> float | int:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise UserError(
+            f"--budget {text!r}: give a fraction such as 0.01 or a count of elements such as 5000"
+        ) from None
+
+
+def select_to_file(model_path: str | None, data_path: str | None, *, score: str, budget: str, out: str) -> str:
+    """Run :func:`finefreeze.select` on the model and training data ``finetune`` will use; return the plan file.
+
+    The plan (``out/selected-plan.json``) trains the ``budget`` elements with
+    the highest ``score`` on the training data; ``finetune`` then reads it as
+    its ``--plan``.
+
+    Raises:
+        UserError: a bad budget, or a selection the model or data refuse
+            (the command prints one line and exits 2).
+    """
+    from finefreeze._cli.finetune import _loss_for
+
+    if model_path is not None and not os.path.exists(model_path):
+        raise UserError(f"model file {model_path!r} does not exist")
+    if model_path is not None and data_path is None:
+        raise UserError("--data DATA.npz is required with a model file")
+    b = _budget(budget)
+    model = load_model(model_path)
+    (x, y), _ = load_data(data_path, model)
+    loss, _ = _loss_for(model, y)
+    try:
+        plan = select(model, (x, y), budget=b, score=score, loss=loss, verbose=0)
+    except PlanError as e:
+        raise UserError(f"--select {score} --budget {budget}: {e}") from None
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "selected-plan.json")
+    plan.save(path)
+    return path

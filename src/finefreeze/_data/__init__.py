@@ -1,0 +1,6 @@
+"""Room of bundled models and data: the example text model and the digits experiment.
+
+Package data (``*.npz``) lives beside the modules.
+
+May import: every room below ``_callbacks`` and ``finefreeze.layers``.
+"""

@@ -1,0 +1,619 @@
+"""``Freezer``: a plan resolved against a model, with its flags and proof."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from finefreeze._backends.variables import to_numpy
+from finefreeze._enforce.layout import STRATEGIES, Layout
+from finefreeze._errors import FreezeWarning, PlanError
+from finefreeze._freezer.keras_flags import flag_changes, set_layer_flags
+from finefreeze._plan.plan import Plan
+from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
+from finefreeze._resolve.targets import base_trainable, collect, remember_base
+
+if TYPE_CHECKING:
+    import keras
+
+    from finefreeze._optimizer.wrapper import FreezingOptimizer
+
+__all__ = ["Freezer"]
+
+
+class Freezer:
+    """Resolve a plan against a model, set its Keras flags, and prove it held.
+
+    Creating a Freezer resolves the plan at once; on a bad plan it raises
+    ``PlanError`` and the model is left untouched. On success it sets the
+    Keras ``trainable`` flags (fully frozen variables: ``trainable=False``; a
+    fully frozen BatchNormalization layer: ``layer.trainable=False``) and takes
+    a fingerprint of every frozen element.
+
+    Args:
+        target: a Keras model or layer, a ``tf.Module``, or a list of
+            variables; or a ``tf.compat.v1`` graph, graph variable or list
+            of them (then the Freezer has ``var_list`` and ``minimize``, see
+            docs/tf1.md).
+        plan: the :class:`Plan` (a list of rules is accepted too).
+        strategy: how partially frozen variables are enforced by
+            :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
+
+    Raises:
+        PlanError: the plan does not resolve against ``target``.
+
+    Example:
+        >>> import keras, finefreeze as ff
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
+        ...                           keras.layers.Dense(2, name="head")], name="net")
+        >>> frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), ff.train("**/head/**")]))
+        >>> [v.path for v in frz.trainable_variables]
+        ['net/head/kernel', 'net/head/bias']
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # tf.compat.v1 graph targets get the Freezer of _graph.py (imported here: it subclasses this one)
+        target = args[0] if args else kwargs.get("target")
+        if cls is Freezer and sys.modules.get("tensorflow") is not None:
+            from finefreeze._freezer.graph import GraphFreezer, is_graph_target
+
+            if is_graph_target(target):
+                return super().__new__(GraphFreezer)
+        return super().__new__(cls)
+
+    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto"):
+        if isinstance(plan, (list, tuple)):
+            plan = Plan(plan)
+        if not isinstance(plan, Plan):
+            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        self._strategy = strategy
+        self._target = collect(target)
+        from finefreeze._backends.distribute import check_scope
+
+        check_scope(
+            [vi.variable for vi in self._target.variables], "the Freezer", [vi.path for vi in self._target.variables]
+        )
+        self._res: Resolution = resolve(plan, self._target)
+        self._history: list[dict] = []
+        self._wrapped: list = []  # weak references to optimizers made by wrap()
+        self._earlier: list[tuple[str, str]] = []  # violations found at plan changes
+        self.activate()
+        self._record(0, retraced=False)
+
+    # -- state ----------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan in force."""
+        return self._res.plan
+
+    @property
+    def strategy(self) -> str:
+        """The requested strategy for partially frozen variables."""
+        return self._strategy
+
+    @property
+    def resolution(self) -> Resolution:
+        """The immutable resolution of the plan against the target."""
+        return self._res
+
+    @property
+    def trainable_variables(self) -> list:
+        """Variables the optimizer will update at all (trainable or partial).
+
+        Comes from this Freezer's plan, never from the Keras flags, so several
+        Freezers over one model each keep their own list.
+        """
+        return [s.variable for s in self._res.states if s.state in (TRAINABLE, PARTIAL)]
+
+    def _state(self, path: str) -> VarState:
+        st = self._res.by_path(path)
+        if st is None:
+            from finefreeze._resolve.resolve import _closest
+
+            paths = [p for s in self._res.states for p in s.info.names]
+            raise PlanError(
+                f"no variable with path {path!r} in this target; closest: {', '.join(_closest(path, paths))}."
+            )
+        return st
+
+    def frozen_mask(self, path: str) -> np.ndarray:
+        """Bool array of the variable's shape, True where an element is frozen.
+
+        Variables Keras does not train are all True.
+
+        Raises:
+            PlanError: no variable has that path.
+        """
+        return self._state(path).frozen_mask()
+
+    def variable_state(self, path: str) -> str:
+        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
+        return self._state(path).state
+
+    @property
+    def layout(self) -> Layout:
+        """The per-variable layout in force.
+
+        The layout of the optimizer compiled into the model, else of the
+        optimizer this Freezer wrapped last. Before any ``wrap`` it is the
+        layout ``wrap`` would make for an elementwise optimizer (Adam, SGD,
+        ...); Lamb, Adafactor, Muon and the like get ``restore`` where this
+        shows ``compact``.
+        """
+        from finefreeze._optimizer.wrapper import find_freezing_optimizer
+
+        compiled = find_freezing_optimizer(self._target.obj)
+        if compiled is not None and compiled.freezer is self and compiled.layout is not None:
+            return compiled.layout  # the one that trains the model
+        opts = [o for o in self._optimizers() if o.layout is not None]
+        if opts:
+            return opts[-1].layout
+        return Layout.from_resolution(self._res, self._strategy, None)
+
+    def strategy_for(self, path: str) -> str | None:
+        """The strategy that enforces a partially frozen variable (None for others).
+
+        Read from :attr:`layout`, so it is what the optimizer does.
+        """
+        st = self._state(path)
+        if st.state != PARTIAL:
+            return None
+        return self.layout.get(st.variable).kind
+
+    # -- flags and fingerprints ----------------------------------------------
+    def activate(self) -> Freezer:
+        """Make the Keras flags follow this Freezer's plan; refresh the fingerprint.
+
+        Several Freezers may share a model; ``fit`` traces the flags of the one
+        created or activated last. A traced train function is rebuilt.
+
+        Returns:
+            self.
+        """
+        self._set_flags()
+        self._retrace()
+        self._fingerprint = self._take_fingerprint()
+        return self
+
+    def _rebase(self) -> None:
+        """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
+        self._sync()
+        self._fingerprint = self._take_fingerprint()
+
+    def _rebuild_outer(self, var_list) -> None:
+        """Optimizers wrapped around ours (a LossScaleOptimizer) learn the new variable list.
+
+        Keras' JAX trainer hands them the model's trainable variables and they
+        pair them with the list they were built on.
+        """
+        import keras
+
+        from finefreeze._optimizer.wrapper import FreezingOptimizer
+
+        opt = getattr(self._target.obj, "optimizer", None)
+        while opt is not None and not isinstance(opt, FreezingOptimizer) and opt.built:
+            opt._trainable_variables_indices = {}
+            keras.optimizers.Optimizer.build(opt, list(var_list))
+            opt = getattr(opt, "inner_optimizer", None)
+
+    def _sync(self) -> None:
+        """Bring the variables up to date before reading or changing them.
+
+        Keras' JAX trainer keeps the training state outside the variables
+        between the steps of an epoch (and purges their values); a callback
+        that reads or changes them must sync first.
+        """
+        sync = getattr(self._target.obj, "jax_state_sync", None)
+        if sync is not None:
+            sync()
+
+    def _set_flags(self) -> bool:
+        """Set Keras flags from the resolution; return whether any changed."""
+        import keras
+
+        t = self._target
+        for layer in t.layers:
+            if isinstance(layer, keras.layers.Layer):
+                remember_base(layer)
+        for vi in t.variables:
+            if vi.is_keras:
+                remember_base(vi.variable)
+        changed = set_layer_flags(t, self._res)  # layers frozen whole: layer.trainable = False
+        frozen_layers = {id(x) for x in self._res.frozen_layers}
+        for layer in t.layers:
+            if isinstance(layer, keras.layers.BatchNormalization):
+                want = base_trainable(layer) and id(layer) not in frozen_layers
+                if layer.trainable != want:
+                    layer.trainable, changed = want, True
+        for s in self._res.states:
+            if s.info.is_keras and s.state != UNTRAINED:
+                want = s.state != FROZEN
+                if s.variable.trainable != want:
+                    s.variable.trainable, changed = want, True
+        return changed
+
+    def _retrace(self) -> None:
+        import keras
+
+        obj = self._target.obj
+        if isinstance(obj, keras.Model) and getattr(obj, "train_function", None) is not None:
+            obj.make_train_function(force=True)
+
+    def _optimizers(self) -> list[FreezingOptimizer]:
+        """Live optimizers this Freezer wrapped, and a FreezingOptimizer compiled into its model."""
+        from finefreeze._optimizer.wrapper import find_freezing_optimizer
+
+        opts = [o for o in (r() for r in getattr(self, "_wrapped", ())) if o is not None]
+        target = getattr(self, "_target", None)  # a graph Freezer has neither
+        compiled = find_freezing_optimizer(getattr(target, "obj", None))
+        if compiled is not None and compiled.freezer is None and compiled not in opts:  # a loaded model's
+            opts.append(compiled)
+        return opts
+
+    def update(self, plan: Plan | list) -> Freezer:
+        """Change what is frozen, between steps (also from a callback inside ``fit``).
+
+        A transaction: the new plan is resolved and checked against every
+        optimizer first; a plan that is refused raises and changes nothing
+        (flags, layout, optimizer state, fingerprints), and a failure while
+        the change is put in force is rolled back. Element-mask and
+        ``lr_scale`` changes of variables that stay partially frozen take
+        effect without retracing. Variable-level changes set the Keras flags,
+        rebuild the optimizers' per-variable state around the same inner
+        optimizer (state kept for every element that stays trainable,
+        ``iterations`` and every optimizer setting kept, zero moments and an
+        EMA average equal to the current value for newly trainable elements,
+        state released for what stops training) and retrace the train
+        function.
+        ``verify()`` keeps checking what was frozen before the change, up to
+        the change, and checks newly frozen elements from now on. ``fit``
+        picks up the retraced function itself; a custom loop wraps its step
+        in a new ``tf.function`` when ``history[-1]["retraced"]`` is True.
+
+        Args:
+            plan: the new :class:`Plan` (or list of rules).
+
+        Returns:
+            self.
+
+        Raises:
+            PlanError: the plan does not resolve; nothing changed.
+
+        Example:
+            >>> import keras, numpy as np, finefreeze as ff
+            >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="a"),
+            ...                       keras.layers.Dense(2, name="b")], name="m")
+            >>> frz = ff.Freezer(m, ff.Plan([ff.freeze("**/a/**")]))
+            >>> m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+            >>> _ = m.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+            >>> _ = frz.update(ff.Plan([ff.freeze("**/b/**")]))
+            >>> _ = m.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)
+            >>> [v.path for v in frz.trainable_variables]
+            ['m/a/kernel', 'm/a/bias']
+            >>> [h["step"] for h in frz.history]
+            [0, 1]
+        """
+        if isinstance(plan, (list, tuple)):
+            plan = Plan(plan)
+        if not isinstance(plan, Plan):
+            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
+        import keras
+
+        from finefreeze._backends.distribute import owner_scope
+
+        self._sync()
+        res = resolve(plan, self._target)
+        obj = self._target.obj
+        opts = self._optimizers()
+        old = self._res
+        # Everything that can refuse the plan runs before anything changes.
+        self._res = res
+        try:
+            flags_changed = self._set_flags()
+            var_list = list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
+            layouts = [opt.prepare_change(res, var_list) for opt in opts]
+        except Exception:
+            self._res = old
+            self._set_flags()
+            raise
+        step = self._step()
+        earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
+        undo = [opt.begin_change() for opt in opts]
+        retrace = True
+        try:
+            retrace = flags_changed
+            with owner_scope(var_list):  # new optimizer variables must be mirrored like the model's
+                for opt, layout in zip(opts, layouts):
+                    retrace |= opt.commit_change(res, layout, var_list)
+        except BaseException:
+            for u in undo:
+                opts[0].undo_change(u)
+            self._res = old
+            self._set_flags()
+            self._retrace()
+            raise
+        self._earlier += earlier
+        if retrace:
+            self._rebuild_outer(var_list)
+            self._retrace()
+        self._fingerprint = self._take_fingerprint()
+        self._record(step, retraced=retrace)
+        return self
+
+    def _step(self) -> int:
+        """The optimizer step of this Freezer's first optimizer (0 without one)."""
+        self._sync()
+        opts = self._optimizers()
+        return int(to_numpy(opts[0].iterations)) if opts else 0
+
+    def _record(self, step: int, retraced: bool) -> None:
+        import time
+
+        self._history.append(
+            {
+                "step": step,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "plan": [repr(r) for r in self._res.plan.rules],
+                "trainable_elements": int(sum(s.n_trainable for s in self._res.states)),
+                "retraced": retraced,
+            }
+        )
+
+    @property
+    def history(self) -> list[dict]:
+        """Every plan this Freezer enforced: ``step`` (optimizer iterations), time, rules."""
+        return [dict(h) for h in self._history]
+
+    def _fingerprint_items(self):
+        for s in self._res.states:
+            kind = self._res.kind_of(s)
+            if kind in (FROZEN, PARTIAL):
+                yield s.path, s.variable, s.info.shape, s.mask
+
+    def _take_fingerprint(self):
+        from finefreeze._resolve.fingerprint import take
+
+        return take(self._fingerprint_items())
+
+    def verify(self, reference: Any = None) -> None:
+        """Check that every frozen element is bit-identical to freeze time.
+
+        Args:
+            reference: optional; compare the frozen elements with the same
+                variables of this model (say, the base a fine-tune started
+                from) instead of the fingerprint, naming every changed
+                element.
+
+        Raises:
+            FrozenValueChanged: names each offending variable and the first
+                changed elements (to a block of 256 elements against the
+                fingerprint, to the element against a reference).
+            PlanError: ``reference`` lacks a variable or has another shape.
+
+        Example:
+            >>> import keras, numpy as np, finefreeze as ff
+            >>> w = keras.Variable(np.zeros((2, 2), "float32"), name="w")
+            >>> frz = ff.Freezer([w], ff.Plan([ff.freeze("w[0]")]))
+            >>> _ = w.assign([[0.0, 1.0], [5.0, 5.0]])
+            >>> frz.verify(reference=[keras.Variable(np.zeros((2, 2), "float32"), name="w")])
+            Traceback (most recent call last):
+            ...
+            finefreeze._errors.FrozenValueChanged: 1 variable(s) have frozen elements that changed from the reference:
+              w: 1 frozen element(s) differ at (0, 1) (shape (2, 2))
+            ...
+        """
+        self._sync()
+        if reference is None:
+            if self._earlier:
+                from finefreeze._errors import FrozenValueChanged
+
+                bad = self._earlier + self._fingerprint.check()
+                lines = "\n".join(f"  {p}: {w}" for p, w in bad)
+                raise FrozenValueChanged(f"{len(bad)} frozen part(s) changed:\n{lines}", bad)
+            self._fingerprint.verify()
+        else:
+            self._fingerprint.verify(reference=collect(reference))
+
+    # -- optimizer -------------------------------------------------------------
+    def wrap(self, optimizer: keras.optimizers.Optimizer, *, strategy: str | None = None) -> FreezingOptimizer:
+        """Return a :class:`FreezingOptimizer` around ``optimizer`` for this plan.
+
+        Args:
+            optimizer: a Keras optimizer (not a ``LossScaleOptimizer``).
+            strategy: overrides the Freezer's strategy.
+
+        Returns:
+            The wrapping ``FreezingOptimizer``.
+        """
+        from finefreeze._backends.distribute import check_optimizer, check_scope
+        from finefreeze._optimizer.wrapper import FreezingOptimizer
+
+        self._honour_keras_flags()
+        self._warn_switched_off()
+        variables = [vi.variable for vi in self._target.variables]
+        check_scope(variables, "the FreezingOptimizer")
+        check_optimizer(optimizer, variables, "Freezer.wrap")
+        strategy = strategy or self._strategy
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        layout = Layout.from_resolution(self._res, strategy, optimizer)
+        opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy, _resolution=self._res, _layout=layout)
+        opt.refuse_nan(layout)
+        opt._attach(self)
+        self._wrapped.append(weakref.ref(opt))
+        return opt
+
+    def _warn_switched_off(self) -> None:
+        """Warn when Keras will not train variables the plan trains (a ``layer.trainable = False`` of the user's)."""
+        off = [
+            s.path
+            for s in self._res.states
+            if s.state in (TRAINABLE, PARTIAL)
+            and s.info.is_keras
+            and not s.variable.trainable
+            # the layer itself switched off: not the variable flags another Freezer of this model set
+            and getattr(s.info.owner, "trainable", True) is False
+        ]
+        if off:
+            shown = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
+            warnings.warn(
+                f"the plan trains {shown}, but Keras' trainable flag is off for them (a layer.trainable = False "
+                "set after the Freezer?): Keras computes no gradient for them, so they will not train. Put it "
+                "in the plan (frz.update(frz.plan.freeze(...))) or set the flag back.",
+                FreezeWarning,
+                stacklevel=3,
+            )
+
+    def _honour_keras_flags(self) -> None:
+        """Turn ``layer.trainable`` switches made since the flags were set into plan rules (with a warning)."""
+        changes = flag_changes(self._target, self._res)
+        if not changes:
+            return
+        old = self._res.plan
+        plan = Plan([*old.rules, *(rule for _, rule in changes)], strict=old.strict, batchnorm=old.batchnorm)
+        self.update(plan)
+        what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
+        warnings.warn(
+            f"Keras' trainable flag changed after the Freezer set it ({what}). The Freezer honours it "
+            "(see history); to silence this, change the plan with Freezer.update instead.",
+            FreezeWarning,
+            stacklevel=3,
+        )
+
+    @classmethod
+    def of(cls, model: Any) -> Freezer | None:
+        """The Freezer of a model compiled with a ``FreezingOptimizer``, or None.
+
+        For a model whose optimizer a Freezer's ``wrap`` made, that Freezer.
+        For a loaded model (``keras.models.load_model``) the Freezer is
+        rebuilt from what the optimizer saved: its plan when that plan still
+        resolves to the saved masks, else a plan of the saved masks
+        themselves; its fingerprint is taken now. Schedule callbacks use this,
+        so they resume a loaded model.
+
+        Args:
+            model: a Keras model.
+
+        Returns:
+            The Freezer, or None when the model has no ``FreezingOptimizer``.
+
+        Example:
+            >>> import keras, numpy as np, finefreeze as ff
+            >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
+            >>> frz = ff.Freezer(m, ff.Plan([ff.freeze("**/d/kernel[0]")]))
+            >>> m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+            >>> ff.Freezer.of(m) is frz
+            True
+        """
+        from finefreeze._freezer.reload import rebuild_freezer
+        from finefreeze._optimizer.wrapper import find_freezing_optimizer
+
+        opt = find_freezing_optimizer(model)
+        if opt is None:
+            return None
+        if opt.freezer is not None:
+            return opt.freezer
+        frz = rebuild_freezer(cls, model, opt)
+        opt._attach(frz, strong=True)
+        frz._wrapped.append(weakref.ref(opt))
+        return frz
+
+    # -- delta files -------------------------------------------------------------
+    def save_delta(self, path) -> dict:
+        """Write only what training may have changed to a safetensors file.
+
+        Trainable variables in full, partially frozen ones as flat indices
+        and values of their trainable elements, with metadata: the plan, a
+        fingerprint of the frozen part, shapes, dtypes, library version. The
+        write is atomic.
+
+        Args:
+            path: the ``.safetensors`` file to write.
+
+        Returns:
+            ``{"path", "bytes", "tensors"}``.
+        """
+        from finefreeze._files.delta import save_delta
+
+        return save_delta(self, path)
+
+    def plot(self, path, *, title: str | None = None) -> str:
+        """Draw which variables and elements are frozen to an image file.
+
+        One bar per variable (per layer for large models) split into trained
+        (orange) and frozen (blue) elements, and the mask of up to four
+        partially frozen variables. Needs matplotlib
+        (``pip install 'finefreeze[plot]'``).
+
+        Args:
+            path: the image file (``.png``, ``.svg``, ``.pdf``).
+            title: replaces the default title (element totals).
+
+        Returns:
+            ``path``.
+
+        Raises:
+            ImportError: matplotlib is not installed (with the install hint).
+        """
+        from finefreeze._report.plot import plot
+
+        return plot(self, path, title=title)
+
+    # -- reports -----------------------------------------------------------------
+    def report(self) -> dict:
+        """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`."""
+        from finefreeze._report.report import build_report
+
+        return build_report(self)
+
+    def summary(
+        self,
+        *,
+        variables: bool = True,
+        print_fn: Callable[[str], Any] | None = None,
+        detail: bool | None = None,
+    ) -> str:
+        """A table like ``model.summary()``: grouped by block, or per layer and variable.
+
+        Args:
+            variables: in the detailed table, list each variable under its layer.
+            print_fn: if given, called with the text (``print`` prints it).
+            detail: True for the per-layer / per-variable table, False for
+                the grouped one (blocks found by ``ff.blocks`` collapsed
+                into runs of one state, at most 120 characters wide); None
+                (default) picks the detailed table when it fits a screen
+                (40 rows) and the grouped one otherwise.
+
+        Returns:
+            The table as a string.
+        """
+        from finefreeze._report.groups import format_groups, wants_detail
+        from finefreeze._report.report import format_summary
+
+        rep = self.report()
+        detailed = wants_detail(rep, variables) if detail is None else detail
+        text = format_summary(rep, variables=variables) if detailed else format_groups(rep)
+        if print_fn is not None:
+            print_fn(text)
+        return text
+
+    def __repr__(self) -> str:
+        r = self.report()["totals"]
+        return (
+            f"<Freezer {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
+            f"elements in {r['variables']} variables>"
+        )
+
+
+# inspect.signature(Freezer) shows __init__'s parameters, not those of the dispatching __new__
+Freezer.__signature__ = inspect.signature(Freezer.__init__).replace(
+    parameters=list(inspect.signature(Freezer.__init__).parameters.values())[1:]
+)

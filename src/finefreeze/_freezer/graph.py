@@ -1,0 +1,366 @@
+"""Freezers over the variables of a ``tf.compat.v1`` graph, read through a session.
+
+``ff.Freezer(target, plan)`` returns a :class:`GraphFreezer` when ``target``
+is a ``tf.Graph`` (its ``TRAINABLE_VARIABLES`` collection), a graph variable
+or a list of them. Plans resolve with the same selectors, indices and rules
+as for Keras models; values (for ``where=``, the fingerprint and
+``verify()``) are read through a ``tf.compat.v1.Session``, and the train op
+comes from :meth:`GraphFreezer.minimize` (``_graph_train.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from finefreeze._errors import PlanError
+from finefreeze._freezer.freezer import Freezer
+from finefreeze._plan.plan import Plan
+from finefreeze._report.report import build_report, format_summary
+from finefreeze._resolve.fingerprint import Fingerprint, take
+from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, Resolution, VarState, _closest, resolve
+from finefreeze._resolve.targets import Target
+from finefreeze._tf1.target import Fetched, GraphValues, collect_graph, is_graph_target
+from finefreeze._tf1.train import apply_op, train_op
+
+__all__ = ["GraphFreezer", "is_graph_target"]
+
+
+class GraphFreezer(Freezer):
+    """A :class:`Freezer` over ``tf.compat.v1`` graph variables; ``ff.Freezer`` returns one for a graph.
+
+    Resolves the plan at once (a bad plan is a ``PlanError`` and nothing
+    changes). ``var_list`` is what the optimizer updates at all;
+    :meth:`minimize` builds an exact train op. Values are read through a
+    session: the one given as ``session=``, else the default session (inside
+    ``with tf.compat.v1.Session(graph=g) as sess:``). The fingerprint that
+    :meth:`verify` checks is taken at creation when a session with
+    initialized variables is at hand, else by :meth:`activate`.
+
+    Args:
+        target: a ``tf.Graph`` (the variables of its ``TRAINABLE_VARIABLES``
+            collection), a graph variable, a list of them, or a
+            ``tf.Module`` built in a graph (its variables).
+        plan: the :class:`Plan` (a list of rules is accepted too).
+        strategy: ``"auto"`` or ``"restore"`` (the same here: gradient
+            selection, update, frozen elements written back).
+        session: a ``tf.compat.v1.Session`` of the graph; needed for
+            ``where=`` rules, :meth:`activate` and :meth:`verify` when no
+            default session is open.
+
+    Raises:
+        PlanError: the plan does not resolve, the target is not one graph's
+            variables, or a value cannot be read.
+
+    Example:
+        >>> import tensorflow as tf, finefreeze as ff
+        >>> with tf.Graph().as_default() as g:
+        ...     a = tf.compat.v1.get_variable("enc/w", initializer=tf.ones((2, 2)))
+        ...     b = tf.compat.v1.get_variable("head/w", initializer=tf.ones((2, 1)))
+        ...     frz = ff.Freezer(g, ff.Plan([ff.freeze("enc/**")]))
+        >>> [v.name for v in frz.var_list]
+        ['head/w:0']
+    """
+
+    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", session=None):
+        if isinstance(plan, (list, tuple)):
+            plan = Plan(plan)
+        if not isinstance(plan, Plan):
+            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
+        if strategy not in ("auto", "restore"):
+            raise PlanError(
+                f"strategy {strategy!r} is not available for tf.compat.v1 graphs; use 'auto' or 'restore' "
+                "(gradient selection, update, frozen elements written back: exact with every optimizer)."
+            )
+        self._strategy = strategy
+        self._graph, infos = collect_graph(target, lambda v: self._values.read_one(v))  # where= reads
+        self._values = GraphValues(self._graph, session)
+        target_obj = Target(target, "graph", infos, [])
+        self._res: Resolution = resolve(plan, target_obj)
+        for s in self._res.states:
+            if s.lr_scales is not None or s.lr_scale != 1.0:
+                raise PlanError(
+                    f"variable {s.path!r}: lr_scale is not available for tf.compat.v1 graphs; build one train "
+                    "op per learning rate (a Freezer and an optimizer each) instead."
+                )
+        self._history: list[dict] = []
+        self._fingerprint: Fingerprint | None = None
+        if self._values.initialized([s.variable for s in self._fingerprinted()]):
+            self.activate()  # else activate() later, once the variables have their values
+        self._history.append(
+            {"step": 0, "plan": [repr(r) for r in plan.rules], "trainable_elements": self._n_trainable()}
+        )
+
+    # -- state ------------------------------------------------------------------
+    @property
+    def graph(self) -> tf.Graph:
+        """The graph whose variables this Freezer covers."""
+        return self._graph
+
+    @property
+    def strategy(self) -> str:
+        """The requested strategy (``"auto"`` or ``"restore"``)."""
+        return self._strategy
+
+    @property
+    def trainable_variables(self) -> list:
+        """Variables with anything trainable, in graph order (the same list as ``var_list``)."""
+        return [s.variable for s in self._res.states if s.state in (TRAINABLE, PARTIAL)]
+
+    @property
+    def var_list(self) -> list:
+        """The ``var_list`` for ``optimizer.minimize`` / ``compute_gradients``: variables with anything trainable."""
+        return self.trainable_variables
+
+    @property
+    def history(self) -> list[dict]:
+        """The plan this Freezer enforces (one entry: graph plans change by a new Freezer and train op)."""
+        return [dict(h) for h in self._history]
+
+    def _n_trainable(self) -> int:
+        return int(sum(s.n_trainable for s in self._res.states))
+
+    def _state(self, path: str) -> VarState:
+        st = self._res.by_path(path)
+        if st is None:
+            paths = [p for s in self._res.states for p in s.info.names]
+            raise PlanError(
+                f"no variable with path {path!r} in this graph; closest: {', '.join(_closest(path, paths))}."
+            )
+        return st
+
+    def frozen_mask(self, path: str) -> np.ndarray:
+        """Bool array of the variable's shape, True where an element is frozen.
+
+        Raises:
+            PlanError: no variable has that path.
+        """
+        return self._state(path).frozen_mask()
+
+    def variable_state(self, path: str) -> str:
+        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
+        return self._state(path).state
+
+    def strategy_for(self, path: str) -> str | None:
+        """``"restore"`` for a partially frozen variable, else None."""
+        return "restore" if self._state(path).state == PARTIAL else None
+
+    def report(self) -> dict:
+        """JSON-able dict with the per-variable facts of :meth:`summary`.
+
+        Elements no rule selects are decided by the ``graph state``: trainable
+        when the variable is in the graph's ``TRAINABLE_VARIABLES``.
+        """
+        rep = build_report(self)
+        for v in rep["variables"]:
+            for d in v["decided_by"]:
+                d["rule"] = "graph state" if d["rule"] == "keras state" else d["rule"]
+        return rep
+
+    def summary(self, *, variables: bool = True, print_fn: Callable[[str], Any] | None = None) -> str:
+        """The table of :meth:`Freezer.summary`, worded for a graph.
+
+        Args:
+            variables: list each variable under its scope.
+            print_fn: if given, called with the text (``print`` prints it).
+
+        Returns:
+            The table as a string.
+        """
+        text = format_summary(self.report(), variables=variables)
+        text = text.replace("of what Keras trains", "of the trainable variables").replace(
+            "Not trained by Keras (moving statistics etc.)", "Not trainable (outside TRAINABLE_VARIABLES)"
+        )
+        if print_fn is not None:
+            print_fn(text)
+        return text
+
+    # -- fingerprint and verify ---------------------------------------------------
+    def _fingerprinted(self) -> list[VarState]:
+        return [s for s in self._res.states if self._res.kind_of(s) in (FROZEN, PARTIAL)]
+
+    def activate(self, session=None) -> GraphFreezer:
+        """Take the fingerprint of every frozen element, through a session.
+
+        Call it once the variables hold the values to keep (after the
+        initializer, a checkpoint restore or a warm-up phase) when the
+        Freezer was created without a session.
+
+        Args:
+            session: a session of the graph; default: the Freezer's, or the
+                default session.
+
+        Returns:
+            self.
+
+        Raises:
+            PlanError: no session, or uninitialized variables.
+        """
+        states = self._fingerprinted()
+        values = self._values.read([s.variable for s in states], session)
+        self._fingerprint = take((s.path, Fetched(s.variable, v), s.info.shape, s.mask) for s, v in zip(states, values))
+        return self
+
+    def verify(self, reference: Any = None, *, session=None) -> None:
+        """Check through a session that every frozen element is bit-identical to the fingerprint.
+
+        Args:
+            reference: not available for graphs (None).
+            session: a session of the graph; default: the Freezer's, or the
+                default session.
+
+        Raises:
+            FrozenValueChanged: names each offending variable and the first
+                changed block of elements.
+            PlanError: no fingerprint yet (see :meth:`activate`), no session,
+                or ``reference`` given.
+        """
+        if reference is not None:
+            raise PlanError("verify(reference=...) is not available for graphs; compare values read with sess.run.")
+        if self._fingerprint is None:
+            raise PlanError(
+                "no fingerprint of the frozen elements yet: the Freezer was created without a session. Call "
+                "frz.activate(sess) once the variables are initialized, before training."
+            )
+        entries = self._fingerprint.entries
+        now = dict(
+            zip((id(e.variable) for e in entries), self._values.read([e.variable.variable for e in entries], session))
+        )
+        self._fingerprint.verify(read=lambda fetched: [now[id(fetched)]])
+
+    # -- training --------------------------------------------------------------------
+    def minimize(self, optimizer, loss, *, global_step=None, name: str | None = None, **kwargs: Any):
+        """An exact train op for ``optimizer`` on ``loss``: gradient selection, update, write-back.
+
+        Gradients are computed for :attr:`var_list` only; those of frozen
+        elements are selected to zero with ``tf.where`` (sparse
+        ``IndexedSlices`` stay sparse); the optimizer's own
+        ``apply_gradients`` updates; then, under a control dependency, the
+        frozen elements are written back from their value read before the
+        update in the same step. Exact with every ``tf.compat.v1.train``
+        optimizer (momentum, Adam, Ftrl and proximal ones move zero-gradient
+        elements). Several train ops from one graph with different plans need
+        an optimizer each (distinct ``name=`` keeps slot names apart).
+
+        Args:
+            optimizer: a ``tf.compat.v1.train.Optimizer``.
+            loss: a tensor of this Freezer's graph.
+            global_step: passed to ``apply_gradients``.
+            name: name scope of the ops.
+            **kwargs: passed to ``compute_gradients`` (``gate_gradients``,
+                ``aggregation_method``, ``colocate_gradients_with_ops``,
+                ``grad_loss``).
+
+        Returns:
+            The train op (a ``tf.Operation``) to run.
+
+        Raises:
+            PlanError: ``loss`` is not a floating tensor of this graph, or
+                depends on no variable the plan trains; nothing is added to
+                the graph.
+            TypeError: ``optimizer`` is not a ``tf.compat.v1.train``
+                optimizer (a Keras one goes through :meth:`Freezer.wrap`).
+
+        Example:
+            >>> import numpy as np, tensorflow as tf, finefreeze as ff
+            >>> with tf.Graph().as_default() as g:
+            ...     x = tf.compat.v1.get_variable("x", initializer=tf.ones((2, 2)))
+            ...     frz = ff.Freezer(g, [ff.freeze("x"), ff.train("x", indices=[(0, 0), (1, 1)])])
+            ...     op = frz.minimize(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), tf.reduce_sum(x * x))
+            ...     with tf.compat.v1.Session() as sess:
+            ...         sess.run(tf.compat.v1.global_variables_initializer())
+            ...         _ = frz.activate()
+            ...         for _ in range(3):
+            ...             _ = sess.run(op)
+            ...         frz.verify()
+            ...         print(np.round(sess.run(x), 3))
+            [[0.062 1.   ]
+             [1.    0.062]]
+        """
+        return train_op(self, optimizer, loss, global_step=global_step, name=name, **kwargs)
+
+    def apply_gradients(self, optimizer, grads_and_vars, *, global_step=None, name: str | None = None):
+        """The train op of :meth:`minimize` from gradients you computed (and clipped, say) yourself.
+
+        Pairs of fully frozen variables are left out (never updated); the
+        gradients of partially frozen ones are selected, and their frozen
+        elements written back after ``optimizer.apply_gradients``, as in
+        :meth:`minimize`. A clip before this call sees the frozen elements'
+        gradients too; select them first with ``tf.where`` if it must not.
+
+        Args:
+            optimizer: a ``tf.compat.v1.train.Optimizer``.
+            grads_and_vars: ``(gradient, variable)`` pairs, e.g. from
+                ``optimizer.compute_gradients(loss, var_list=frz.var_list)``.
+            global_step: passed to ``apply_gradients``.
+            name: name scope of the ops.
+
+        Returns:
+            The train op (a ``tf.Operation``) to run.
+
+        Raises:
+            PlanError: a variable is not one of this Freezer's, or no pair
+                has a gradient for a variable the plan trains; nothing is
+                added to the graph.
+            TypeError: ``optimizer`` is not a ``tf.compat.v1.train``
+                optimizer.
+
+        Example:
+            >>> import tensorflow as tf, finefreeze as ff
+            >>> with tf.Graph().as_default() as g:
+            ...     w = tf.compat.v1.get_variable("w", initializer=tf.ones((3,)))
+            ...     frz = ff.Freezer(g, [ff.freeze("w[0]")])
+            ...     opt = tf.compat.v1.train.AdamOptimizer(0.1)
+            ...     grads = opt.compute_gradients(tf.reduce_sum(w * w), var_list=frz.var_list)
+            ...     clipped = [(tf.clip_by_norm(g, 1.0), v) for g, v in grads]
+            ...     op = frz.apply_gradients(opt, clipped)
+            ...     with tf.compat.v1.Session() as sess:
+            ...         sess.run(tf.compat.v1.global_variables_initializer())
+            ...         _ = sess.run(op)
+            ...         print(sess.run(w).round(3))
+            [1.  0.9 0.9]
+        """
+        return apply_op(self, optimizer, grads_and_vars, global_step=global_step, name=name)
+
+    # -- not for graphs ---------------------------------------------------------------
+    def update(self, plan: Plan | list) -> GraphFreezer:
+        """Not for graphs: a train op keeps its plan; make a new Freezer and train op (same optimizer keeps state).
+
+        Raises:
+            PlanError: always.
+        """
+        raise PlanError(
+            "a tf.compat.v1 train op keeps the plan it was built with; for a new plan make a new Freezer and "
+            "call its minimize() with the same optimizer (its slots carry over)."
+        )
+
+    def wrap(self, optimizer, *, strategy: str | None = None):
+        """Not for graphs: use :meth:`minimize` with a ``tf.compat.v1.train`` optimizer.
+
+        Raises:
+            PlanError: always.
+        """
+        raise PlanError(
+            "wrap() makes a Keras optimizer; for tf.compat.v1 graph variables use "
+            "frz.minimize(tf.compat.v1.train.<Optimizer>(...), loss)."
+        )
+
+    def save_delta(self, path) -> dict:
+        """Not for graphs: save with ``tf.compat.v1.train.Saver``.
+
+        Raises:
+            PlanError: always.
+        """
+        raise PlanError(
+            "delta files are written from eager variables; save graph variables with tf.compat.v1.train.Saver."
+        )
+
+    def __repr__(self) -> str:
+        r = self.report()["totals"]
+        return (
+            f"<Freezer (tf.compat.v1 graph) {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} "
+            f"frozen elements in {r['variables']} variables>"
+        )

@@ -1,0 +1,148 @@
+"""Keras' own switch, ``base.trainable``, kept meaningful next to a Freezer.
+
+A Freezer sets ``base.trainable = False`` on every nested model its plan
+freezes whole (as Keras users do by hand), besides the variable flags.
+Only nested models: a layer flag is saved with the model, and a loaded
+model's switched-off layers are, for Keras and for plans, layers Keras does
+not train; a backbone saved frozen loads frozen, as it does in plain Keras. So the
+keras.io recipe ``base.trainable = True`` after a Freezer is a visible
+change: Keras' setter unfreezes the layer's variables, and the next
+``Freezer.wrap`` (the recompile that recipe asks for) honours it by adding a
+``train(...)`` rule for that layer (``freeze(...)`` for a layer switched off)
+and saying so with a ``FreezeWarning``. Without the layer flag the switch was
+a no-op the plan silently overrode (Keras skips nothing, but the layer's own
+flag never changed, so there was nothing to see).
+"""
+
+from __future__ import annotations
+
+import re
+
+from finefreeze._plan.rules import Rule, freeze, train
+from finefreeze._resolve.blocks import layers_under as _walk
+from finefreeze._resolve.resolve import FROZEN, UNTRAINED
+from finefreeze._resolve.scopes import layer_scope
+from finefreeze._resolve.targets import base_trainable
+
+__all__ = ["set_layer_flags", "flag_changes"]
+
+_SET = "_finefreeze_set_trainable"
+_CALL = "_finefreeze_inference_call"
+
+
+def _walk_with_parents(root):
+    """Layers under ``root`` outer before inner, and ``{id(layer): id(parent) or None}``."""
+    seen, out, parent = set(), [], {}
+
+    def go(node, up):
+        for sub in getattr(node, "_layers", ()):
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+                parent[id(sub)] = up
+                go(sub, id(sub))
+
+    go(root, None)
+    return out, parent
+
+
+def set_layer_flags(target, res) -> bool:
+    """Set ``layer.trainable`` from the plan on layers frozen whole; return whether any changed.
+
+    Runs before the BatchNormalization and variable flags are set (Keras'
+    setter cascades into sublayers and variables, which those then correct).
+    """
+    import keras
+
+    if target.kind != "keras":
+        return False
+    layers, parent = _walk_with_parents(target.obj)
+    trained = {id(x): 0 for x in layers}  # variables Keras trains, under each layer
+    frozen = dict(trained)
+    for s in res.states:
+        if s.state != UNTRAINED and id(s.info.owner) in trained:
+            trained[id(s.info.owner)] += 1
+            frozen[id(s.info.owner)] += s.state == FROZEN
+    for layer in reversed(layers):  # inner before outer: add up
+        up = parent[id(layer)]
+        if up is not None:
+            trained[up] += trained[id(layer)]
+            frozen[up] += frozen[id(layer)]
+    changed = False
+    for layer in layers:
+        if not isinstance(layer, keras.Model):  # nested models only: see the module docstring
+            continue
+        whole = trained[id(layer)] and trained[id(layer)] == frozen[id(layer)]
+        want = base_trainable(layer) and not whole
+        if layer.trainable != want:
+            layer.trainable, changed = want, True
+        setattr(layer, _SET, want)
+    affine = res.plan.batchnorm == "affine"
+    for layer in layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            changed |= inference_mode(layer, affine)
+    for s in res.states:  # the cascade may have switched variables Keras did not train
+        if s.state == UNTRAINED and s.info.is_keras and s.variable.trainable != s.info.base_trainable:
+            s.variable.trainable = bool(getattr(s.variable, "_finefreeze_base_trainable", s.info.base_trainable))
+    return changed
+
+
+def inference_mode(layer, on: bool) -> bool:
+    """Make a BatchNormalization layer run in inference mode while it trains (``batchnorm="affine"``).
+
+    Keras runs a trainable BatchNormalization in training mode whenever
+    ``training`` is true; this layer's ``call`` is given ``training=False``
+    instead (an attribute of the instance, removed when ``on`` is False;
+    nothing of it is saved). Returns whether it changed.
+    """
+    has = _CALL in layer.__dict__
+    if on == has:
+        return False
+    if on:
+        original = layer.call
+
+        def call(*args, training=None, **kwargs):
+            return original(*args, training=False, **kwargs)
+
+        layer.__dict__["call"] = call
+        layer.__dict__[_CALL] = True
+    else:
+        del layer.__dict__["call"]
+        del layer.__dict__[_CALL]
+    return True
+
+
+def _selector(target, layer, res):
+    """The scoped glob of a layer when it selects exactly the layer's variables, else the layer."""
+    scope = layer_scope(target.obj, layer)
+    if scope and not re.search(r"[*?\[\]]", scope):
+        glob = scope + "/**"
+        rule = train(glob)
+        ids = {id(v) for v in layer.weights}
+        hit = {id(s.info.variable) for s in res.states if rule.selector.matches(s.info, target)}
+        if hit and hit == {i for i in ids if i in {id(s.info.variable) for s in res.states}}:
+            return glob
+    return layer
+
+
+def flag_changes(target, res) -> list[tuple[str, Rule]]:
+    """Layers whose ``trainable`` the user switched since the Freezer set it, as rules.
+
+    Returns:
+        ``[(description, rule)]``, outer layers first (a switched layer's
+        sublayers follow it and are not listed again).
+    """
+    if target.kind != "keras":
+        return []
+    out, done = [], set()
+    for layer in _walk(target.obj):
+        if id(layer) in done or not hasattr(layer, _SET):
+            continue
+        was = getattr(layer, _SET)
+        if bool(layer.trainable) == was:
+            continue
+        done.update(id(x) for x in _walk(layer))
+        sel = _selector(target, layer, res)
+        rule = train(sel) if layer.trainable else freeze(sel)
+        out.append((f"{layer.name}.trainable = {bool(layer.trainable)}", rule))
+    return out

@@ -1,0 +1,118 @@
+"""Rebuild the Freezer of a loaded model from what its FreezingOptimizer saved.
+
+A ``.keras`` file keeps the optimizer's config (plan, strategy, layout) and
+its variables (frozen masks, compact indices, ``lr_scale`` values). The
+masks are the truth: a plan with ``where=`` predicates, evaluated on values
+that training has since changed, would resolve differently today. So the
+saved plan is used only when it still resolves to exactly the saved masks;
+otherwise the Freezer gets a plan made of the saved masks themselves.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from finefreeze._backends.variables import to_numpy
+from finefreeze._errors import PlanError
+from finefreeze._plan.plan import Plan
+from finefreeze._plan.rules import freeze, train
+from finefreeze._resolve.resolve import PARTIAL, resolve
+from finefreeze._resolve.targets import collect
+
+__all__ = ["masks_plan", "rebuild_freezer"]
+
+
+def _exact(path: str) -> str:
+    return "re:" + re.escape(path)
+
+
+def _saved_masks(opt) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | float]]:
+    """``{path: (kind, frozen mask or None, scale)}`` as a built optimizer enforces them."""
+    out = {}
+    by_path = {e.path: e for e in opt._enforcers.ordered}
+    for entry in opt.layout:
+        enf = by_path.get(entry.path)
+        if entry.kind == "frozen" or enf is None:
+            out[entry.path] = ("frozen", None, 1.0)
+            continue
+        frozen = None
+        if enf.mask is not None:
+            frozen = to_numpy(enf.mask).astype(bool)
+        elif enf.index is not None:
+            frozen = np.ones(int(np.prod(enf.shape, dtype=np.int64)), bool)
+            frozen[to_numpy(enf.index).astype(np.int64)] = False
+            frozen = frozen.reshape(enf.shape)
+        scale: np.ndarray | float = 1.0
+        if enf.scale is not None:
+            s = to_numpy(enf.scale).astype(np.float32)
+            if s.ndim == 0:
+                scale = float(s)
+            elif enf.index is not None:  # compact: one value per trainable element
+                full = np.ones(frozen.size, np.float32)
+                full[to_numpy(enf.index).astype(np.int64)] = s
+                scale = full.reshape(enf.shape)
+            else:
+                scale = s
+        out[entry.path] = ("partial" if frozen is not None else "train", frozen, scale)
+    return out
+
+
+def masks_plan(opt) -> Plan:
+    """A plan that selects exactly the elements and scales a built optimizer enforces."""
+    rules = []
+    for path, (kind, frozen, scale) in _saved_masks(opt).items():
+        sel = _exact(path)
+        if kind == "frozen":
+            rules.append(freeze(sel))
+            continue
+        trained = ~frozen if frozen is not None else None
+        if isinstance(scale, np.ndarray):
+            for value in np.unique(scale):
+                pick = scale == value
+                if trained is not None:
+                    pick = pick & trained
+                if value != 1.0 and pick.any():
+                    rules.append(train(sel, mask=pick, lr_scale=float(value)))
+        elif scale != 1.0:
+            rules.append(train(sel, lr_scale=scale))
+        if frozen is not None and frozen.any():
+            rules.append(freeze(sel, mask=frozen))
+    return Plan(rules)
+
+
+def _same(res, saved: dict) -> bool:
+    """Whether a resolution enforces exactly the saved masks and scales."""
+    for s in res.states:
+        got = saved.get(s.path)
+        if got is None:
+            continue
+        kind, frozen, scale = got
+        state = "frozen" if s.state not in ("trainable", PARTIAL) else ("partial" if s.state == PARTIAL else "train")
+        if state != kind:
+            return False
+        if frozen is not None and not np.array_equal(s.mask.dense(), frozen):
+            return False
+        mine = s.lr_scales if s.lr_scales is not None else s.lr_scale
+        if not np.array_equal(
+            np.broadcast_to(np.asarray(mine, np.float32), np.shape(scale)), np.asarray(scale, np.float32)
+        ):
+            return False
+    return True
+
+
+def rebuild_freezer(cls, model, opt):
+    """The Freezer of ``model`` whose ``FreezingOptimizer`` ``opt`` has no Freezer (a loaded model)."""
+    plan = opt.plan or Plan()
+    if opt.built and opt.layout is not None:
+        saved = _saved_masks(opt)
+        try:
+            ok = opt.plan is not None and _same(resolve(opt.plan, collect(model)), saved)
+        except PlanError:
+            ok = False
+        plan = opt.plan if ok else masks_plan(opt)
+    frz = cls(model, plan, strategy=opt.strategy)
+    opt._resolution = frz.resolution
+    frz._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan has been in force since before the save
+    return frz

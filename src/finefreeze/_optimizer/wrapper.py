@@ -1,0 +1,755 @@
+"""``FreezingOptimizer``: a Keras optimizer that enforces a plan exactly.
+
+Built the way Keras' ``LossScaleOptimizer`` wraps an optimizer: it holds an
+``inner_optimizer`` for life (never cloned or replaced), delegates
+``learning_rate`` and ``iterations``, refuses base-optimizer arguments (they
+belong to the inner optimizer), its ``variables`` are its own plus the inner
+ones, and ``get_config`` serializes the inner optimizer with the layout. Its
+own ``apply`` is where freezing happens: fully frozen variables never reach
+the inner optimizer; partially frozen ones go through their enforcer's
+``prepare`` / ``finish`` hooks around the inner update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+
+import keras
+import numpy as np
+from keras import ops
+from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
+
+from finefreeze._backends.variables import assign, eager_scope, flat_dense, tensorflow, to_numpy, write_all
+from finefreeze._enforce.enforcer import Enforcer
+from finefreeze._enforce.layout import STRATEGIES, Layout, VarLayout, index_dtype, refuse_unknown
+from finefreeze._errors import DistributionError, FreezeWarning, PlanError
+from finefreeze._optimizer import migrate as _migrate
+from finefreeze._plan.plan import Plan
+from finefreeze._resolve.targets import remember_base, var_path
+
+__all__ = ["FreezingOptimizer", "inexact_reasons", "find_freezing_optimizer", "freezer_of"]
+
+
+def inexact_reasons(opt) -> list[str]:
+    """Why gradient masking alone would move frozen elements under ``opt``."""
+    reasons = []
+    if getattr(opt, "weight_decay", None):
+        reasons.append(f"weight_decay={opt.weight_decay}")
+    if getattr(opt, "use_ema", False):
+        reasons.append("use_ema=True")
+    name = type(opt).__name__
+    if name in ("SGD", "RMSprop"):
+        if getattr(opt, "momentum", 0.0):
+            reasons.append(f"momentum={opt.momentum}")
+    elif name not in ("Adagrad", "Adadelta"):
+        reasons.append(f"{name} keeps moving elements whose gradient is 0 (momentum or its own state)")
+    return reasons
+
+
+def zero_gradient_hazards(inner, layout: Layout) -> list[str]:
+    """Partially frozen variables whose exactly-zero gradients the inner optimizer turns into NaN.
+
+    Keras' Adafactor estimates an element's second moment as the product of
+    its row's (normalised by the mean row) and its column's, over the last
+    two axes. An element whose row and column both hold only frozen elements,
+    in a matrix that is not frozen whole, gets a product that underflows to
+    0, its update is 0/0, and the update clipping spreads the NaN over the
+    whole variable (in plain Keras too, with such gradients).
+    """
+    out = []
+    for o in _migrate.family(inner):
+        if type(o).__name__ != "Adafactor":
+            continue
+        for e in layout:
+            if e.kind not in ("restore", "mask") or e.mask is None or len(e.shape) < 2:
+                continue
+            frozen = e.mask.dense()
+            rows, cols = frozen.all(axis=-1), frozen.all(axis=-2)  # (..., R) and (..., C)
+            # a slice of the leading axes frozen whole is harmless: its row moments normalise to 1
+            whole = frozen.all(axis=(-2, -1))[..., None, None]
+            if (rows[..., :, None] & cols[..., None, :] & ~whole).any():
+                out.append(f"{e.path!r} (shape {e.shape})")
+    return out
+
+
+class _Enforcers:
+    """Plain container so model variables are never tracked by the optimizer."""
+
+    def __init__(self, ordered=(), frozen_ids=()):
+        self.ordered: list[Enforcer] = list(ordered)
+        self.by_id: dict[int, Enforcer] = {id(e.variable): e for e in self.ordered}
+        self.frozen_ids: set[int] = set(frozen_ids)
+        self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
+        self.state = _migrate.StateMap({}, {}, [])
+
+    def own_variables(self) -> set[int]:
+        return {id(w) for e in self.ordered for w in (e.mask, e.index, e.shadow, e.scale) if w is not None}
+
+
+@keras.saving.register_keras_serializable(package="finefreeze")
+class FreezingOptimizer(keras.optimizers.Optimizer):
+    """A Keras optimizer that keeps a plan's frozen elements bit-identical.
+
+    Fully frozen variables get no gradient work and no optimizer state;
+    partially frozen ones use a strategy: ``"restore"`` (exact for every
+    optimizer, dense state), ``"compact"`` (exact, state only for trainable
+    elements; only for optimizers whose update is elementwise), ``"mask"``
+    (gradient masking alone, inexact, warned) or ``"auto"`` (compact when at
+    most 5 % of a variable trains and the optimizer is elementwise, else
+    restore). Optimizer settings (``weight_decay``, ``clipnorm``,
+    ``use_ema``, ...) belong to the inner optimizer, as with Keras'
+    ``LossScaleOptimizer``.
+
+    Args:
+        inner_optimizer: any unbuilt ``keras.optimizers.Optimizer`` except a
+            ``LossScaleOptimizer`` (that one must stay outermost; Keras adds
+            it itself under ``mixed_float16``).
+        plan: a :class:`Plan`. Resolved against the variables the optimizer
+            is built on; prefer ``Freezer.wrap``, which also knows layers.
+        strategy: ``"auto"``, ``"restore"``, ``"compact"`` or ``"mask"``.
+        name: optimizer name.
+
+    Raises:
+        TypeError: ``inner_optimizer`` is not a Keras optimizer or is a
+            ``LossScaleOptimizer``, or a base-optimizer argument was given.
+        ValueError: ``inner_optimizer`` is already built.
+        PlanError: unknown strategy.
+
+    Example:
+        >>> import keras, finefreeze as ff
+        >>> opt = ff.FreezingOptimizer(keras.optimizers.Adam(1e-3), ff.Plan([ff.freeze("x[0]")]))
+        >>> opt.strategy
+        'auto'
+        >>> ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan(), clipnorm=1.0)
+        Traceback (most recent call last):
+        ...
+        TypeError: FreezingOptimizer takes no optimizer settings (got clipnorm); they belong to the inner optimizer: ...
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: keras.optimizers.Optimizer,
+        plan: Plan | None = None,
+        *,
+        strategy: str = "auto",
+        name: str | None = None,
+        **kwargs,
+    ):
+        resolution = kwargs.pop("_resolution", None)
+        layout = kwargs.pop("_layout", None)
+        saved_layout = kwargs.pop("_saved_layout", None)
+        if kwargs:
+            import inspect
+
+            from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+            settings = set(inspect.signature(BaseOptimizer.__init__).parameters)
+            unknown = sorted(k for k in kwargs if k not in settings)
+            if unknown:
+                raise TypeError(
+                    f"FreezingOptimizer got unknown argument(s) {', '.join(unknown)}; it takes "
+                    "(inner_optimizer, plan=None, *, strategy='auto', name=None)."
+                )
+            names = ", ".join(sorted(kwargs))
+            example = ", ".join(f"{k}=..." for k in sorted(kwargs))
+            cls = type(inner_optimizer).__name__ if isinstance(inner_optimizer, keras.optimizers.Optimizer) else "Adam"
+            raise TypeError(
+                f"FreezingOptimizer takes no optimizer settings (got {names}); they belong to the inner "
+                f"optimizer: ff.FreezingOptimizer(keras.optimizers.{cls}(..., {example}), plan) or "
+                f"frz.wrap(keras.optimizers.{cls}(..., {example}))."
+            )
+        if isinstance(inner_optimizer, FreezingOptimizer):
+            raise TypeError(
+                "FreezingOptimizer cannot wrap another FreezingOptimizer: one plan per optimizer. "
+                "Put every rule in one plan, or wrap the plain optimizer."
+            )
+        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
+            raise TypeError(
+                "FreezingOptimizer cannot wrap a LossScaleOptimizer: the loss scale "
+                "optimizer must stay outermost. Wrap the plain optimizer; under "
+                "mixed_float16, model.compile adds the LossScaleOptimizer around "
+                "the FreezingOptimizer itself (or wrap it yourself: "
+                "LossScaleOptimizer(FreezingOptimizer(Adam(), plan)))."
+            )
+        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"inner_optimizer must be a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}."
+            )
+        if inner_optimizer.built:
+            raise ValueError(
+                f"the {type(inner_optimizer).__name__} to wrap is already built on "
+                f"{len(inner_optimizer._trainable_variables)} variables; wrap a new, unbuilt optimizer."
+            )
+        if strategy not in STRATEGIES:
+            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        if plan is not None and not isinstance(plan, Plan):
+            raise PlanError(f"plan must be an ff.Plan, got {type(plan).__name__}.")
+        super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
+        self.inner_optimizer = inner_optimizer
+        self._plan = plan
+        self._strategy = strategy
+        self._resolution = resolution
+        self._layout: Layout | None = layout
+        self._saved_layout = saved_layout
+        self._inner_base = _migrate.constructor_variables(inner_optimizer)
+        self._enforcers = _Enforcers()
+        self._mask_warned = False
+        self._freezer_ref = None
+        self._freezer_strong = None
+        self.track_gradient_norms = False
+        self._norms_recorded = False
+
+    # -- delegation ----------------------------------------------------------
+    @property
+    def strategy(self) -> str:
+        """The strategy requested (``auto`` picks per variable)."""
+        return self._strategy
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan this optimizer enforces."""
+        return self._plan
+
+    @property
+    def layout(self) -> Layout | None:
+        """The per-variable :class:`~finefreeze._enforce.layout.Layout` it enforces (None before it knows its variables)."""
+        return self._layout
+
+    @property
+    def variables(self):
+        own = self._variables + self.inner_optimizer.variables
+        if getattr(self, "track_gradient_norms", False) and self._enforcers.norms:
+            # while tracked, the norms are training state: Keras' JAX trainer carries only
+            # the optimizer's variables through its jitted step (never saved: see below)
+            own = own + list(self._enforcers.norms)
+        return own
+
+    def save_own_variables(self, store):
+        with self._norms_untracked():
+            super().save_own_variables(store)
+
+    def load_own_variables(self, store):
+        with self._norms_untracked():
+            super().load_own_variables(store)
+
+    @contextlib.contextmanager
+    def _norms_untracked(self):
+        """The variables as saved: without the gradient norms, whether FreezeBoard tracks them or not."""
+        tracking, self.track_gradient_norms = self.track_gradient_norms, False
+        try:
+            yield
+        finally:
+            self.track_gradient_norms = tracking
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Exclude model variables from the inner optimizer's weight decay (also under ``compact``)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    @property
+    def freezer(self):
+        """The :class:`Freezer` of this optimizer (made by ``wrap`` or ``Freezer.of``), or None."""
+        return self._freezer_ref() if self._freezer_ref is not None else None
+
+    def _attach(self, freezer, strong: bool = False) -> None:
+        self._freezer_ref = weakref.ref(freezer)
+        self._freezer_strong = freezer if strong else None
+
+    def gradient_norms(self) -> tuple[float, float] | None:
+        """``(trainable, frozen)`` norms of the gradient of the last step, before enforcement.
+
+        Recorded only while ``track_gradient_norms`` is True (``FreezeBoard``
+        turns it on). "Frozen" is the part of the loss gradient that fell on
+        frozen elements of partially frozen variables: what the plan blocked
+        (fully frozen variables get no gradient at all).
+
+        Returns:
+            The two norms, or None before the first tracked step.
+        """
+        if not self._enforcers.norms or not self._norms_recorded:
+            return None
+        return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in self._enforcers.norms)
+
+    # -- building ------------------------------------------------------------
+    def _layout_for(self, var_list) -> Layout:
+        if self._layout is not None:
+            refuse_unknown(self._resolution, var_list)
+            return self._layout
+        if self._saved_layout is not None:
+            return Layout.from_config(self._saved_layout, var_list, self._strategy)
+        if self._resolution is None:
+            from finefreeze._resolve.resolve import resolve
+            from finefreeze._resolve.targets import collect
+
+            self._resolution = resolve(self._plan or Plan(), collect(list(var_list)))
+        return Layout.from_resolution(self._resolution, self._strategy, self.inner_optimizer, var_list)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        from finefreeze._backends.distribute import check_optimizer, owner_strategy
+
+        check_optimizer(self, var_list, "FreezingOptimizer.build")
+        tf = tensorflow()
+        if tf is not None and owner_strategy(var_list) is not None and not tf.distribute.in_cross_replica_context():
+            raise DistributionError(
+                "FreezingOptimizer is being built inside strategy.run: build it in the strategy's "
+                "scope first (model.compile + fit do; in a custom loop call "
+                "opt.build(frz.trainable_variables) inside `with strategy.scope():`)."
+            )
+        layout = self._layout_for(var_list)
+        self._warn(layout)
+        self._layout = layout
+        self._install(self._layout, var_list, {})
+        # built on what it updates: a loaded model's optimizer is built on every variable and
+        # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
+        super().build([v for v in var_list if id(v) not in self._enforcers.frozen_ids])
+
+    def _install(self, layout: Layout, var_list, held: dict) -> None:
+        """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state."""
+        enforcers = self._make_enforcers(layout, var_list)
+        # outside the no-tracking scope: the inner optimizer tracks what it makes
+        # (Nadam's u_product is an attribute, not an add_variable)
+        enforcers.state = _migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
+        self._decay_compact_like_its_variable(enforcers)
+        self._enforcers = enforcers
+        if held:  # a plan change; a first build starts as Keras does
+            for e in enforcers.ordered:
+                self._carry(e, held.get(id(e.variable)))
+
+    @_no_tracking
+    def _make_enforcers(self, layout: Layout, var_list) -> _Enforcers:
+        ordered, frozen, seen = [], set(), set()
+        for v in var_list:
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            e = layout.get(v)
+            if e.kind == "frozen":
+                frozen.add(id(v))
+                if self._saved_layout is not None and getattr(v, "trainable", False):
+                    remember_base(v)  # Keras trains it; the plan freezes it
+                    v.trainable = False  # per-variable flags are not saved in .keras files
+                continue
+            ordered.append(self._make_enforcer(v, e))
+        out = _Enforcers(ordered, frozen)
+        # optimizer variables only while FreezeBoard tracks them (see `variables`); never saved
+        out.norms = tuple(
+            keras.Variable(0.0, dtype="float32", trainable=False, name=n, aggregation="only_first_replica")
+            for n in ("grad_norm_trainable", "grad_norm_frozen")
+        )
+        return out
+
+    def _make_enforcer(self, v, e: VarLayout) -> Enforcer:
+        """The enforcer of one trainable or partially frozen variable, with its optimizer variables."""
+        safe = e.path.replace("/", ".")
+        enf = Enforcer(e.path, v, e.kind, e.shape)
+        loaded = e.mask is None and e.enforced  # values arrive with the optimizer variables on load
+        if e.kind == "compact":
+            dtype = index_dtype(e.size)
+            idx = np.full((e.n_trainable,), -1, dtype) if loaded else e.mask.trainable_flat_indices().astype(dtype)
+            enf.index = self.add_variable(
+                shape=idx.shape, dtype=dtype, name=f"{safe}.index", initializer=_const(idx), aggregation="none"
+            )
+            # Starts as the trainable values (optimizers may read it in build) and
+            # is refilled from the model variable at every step (gather).
+            enf.shadow = self.add_variable(
+                shape=idx.shape,
+                dtype=v.dtype,
+                name=f"{safe}.compact",
+                initializer="zeros" if loaded else _const(_eager_values(v, idx)),
+                aggregation="none",
+            )
+        elif e.kind in ("restore", "mask"):
+            dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
+            enf.mask = self.add_variable(
+                shape=e.shape,
+                dtype="bool",
+                name=f"{safe}.frozen_mask",
+                initializer=_const(dense),
+                aggregation="none",
+                layout=getattr(v, "_layout", None),  # sharded like the variable (keras.distribution)
+            )
+        scale = _scale_value(e, enf)
+        if scale is not None:
+            enf.scale = self.add_variable(
+                shape=scale.shape,
+                dtype="float32",
+                name=f"{safe}.lr_scale",
+                initializer=_const(scale),
+                aggregation="none",
+                # one scale per element: sharded like the variable; a scalar: replicated
+                layout=getattr(v, "_layout", None) if scale.shape == tuple(e.shape) and scale.ndim else None,
+            )
+        return enf
+
+    def _decay_compact_like_its_variable(self, enforcers: _Enforcers) -> None:
+        """A compact vector gets weight decay exactly when its model variable would.
+
+        Keras decides per variable (``_use_weight_decay``: excluded ids, then
+        name patterns) and caches the answer by variable key; the vector's
+        entry is set to the model variable's answer, so neither an anchored
+        pattern (``"^kernel$"``) nor one that happens to match the vector's
+        own name changes the maths.
+        """
+        # what Keras hands _use_weight_decay: the tf.Variable (named "kernel:0") on TensorFlow
+        tf = tensorflow() is not None
+        seen = lambda v: v.value if tf and isinstance(v, keras.Variable) else v  # noqa: E731
+        for o in _migrate.family(self.inner_optimizer):
+            for e in enforcers.ordered:
+                if e.kind == "compact":
+                    o._use_weight_decay(seen(e.shadow))  # makes the cache exist
+                    o._exclude_from_weight_decay_cache[o._var_key(e.shadow)] = o._use_weight_decay(seen(e.variable))
+
+    def _carry(self, e: Enforcer, held) -> None:
+        """Fresh state for elements that start training, ``held`` state for those that keep training."""
+        elements = _elements(e, trained_only=False)
+        values = to_numpy(e.variable).reshape(-1)[elements]
+        _migrate.carry(self._enforcers.state, e.inner_variable, elements, values, held)
+
+    def _held(self, e: Enforcer) -> _migrate.Held:
+        """The state of ``e``'s trained elements now."""
+        return _migrate.snapshot(
+            self._enforcers.state, e.inner_variable, _elements(e, trained_only=True), e.kind == "compact"
+        )
+
+    def _warn(self, layout: Layout) -> None:
+        """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
+        self.refuse_nan(layout)
+        if any(e.kind == "mask" for e in layout):
+            reasons = inexact_reasons(self.inner_optimizer)
+            if reasons and not self._mask_warned:
+                self._mask_warned = True
+                warnings.warn(
+                    "strategy 'mask' (gradient masking alone) is not exact with "
+                    f"{type(self.inner_optimizer).__name__}: {'; '.join(reasons)}. Frozen "
+                    "elements will drift; use strategy 'restore' or 'compact'.",
+                    FreezeWarning,
+                    stacklevel=4,
+                )
+
+    def refuse_nan(self, layout: Layout) -> None:
+        """Refuse a layout the inner optimizer would turn into NaN.
+
+        Raises:
+            PlanError: Keras' Adafactor with a partially frozen matrix that has a
+                fully frozen row and a fully frozen column.
+        """
+        hazards = zero_gradient_hazards(self.inner_optimizer, layout)
+        if hazards:
+            raise PlanError(
+                f"Adafactor would turn training into NaN with {', '.join(hazards)}: these variables have a row "
+                "and a column (over their last two axes) whose elements are all frozen, in a matrix that is not "
+                "frozen whole; Keras' Adafactor factors second moments over rows and columns, the moment of "
+                "such an element underflows to 0 and its update is 0/0 (plain Keras does the same with such "
+                "gradients). Freeze those variables (or those matrices) whole, train at least one element in "
+                "every row or column, or use another optimizer (Adam, AdamW, Lion)."
+            )
+
+    # -- changing the plan -------------------------------------------------------
+    def prepare_change(self, resolution, var_list) -> Layout:
+        """The layout a new resolution gives; raises (changing nothing) if it cannot be enforced.
+
+        Raises:
+            PlanError: ``var_list`` holds a variable the resolution does not know, or
+                the strategy cannot serve the inner optimizer.
+        """
+        layout = Layout.from_resolution(resolution, self._strategy, self.inner_optimizer, var_list)
+        self._warn(layout)
+        return layout
+
+    def commit_change(self, resolution, layout: Layout, var_list) -> bool:
+        """Put ``layout`` in force (``Freezer.update`` calls this after :meth:`prepare_change`).
+
+        Element-mask changes of variables that stay partially frozen with the
+        same strategy, and new ``lr_scale`` values, are written into the
+        optimizer's variables: no retrace. Anything else rebuilds the
+        enforcers and rebuilds the same inner optimizer in place: state is
+        kept for every element that stays trainable, global state
+        (``iterations``, learning rate) is kept, newly trainable elements
+        start fresh (zero moments; EMA averages at their current value), and
+        the state of what stops training is released.
+
+        Returns:
+            True when the train function must be retraced.
+        """
+        self._resolution, self._plan = resolution, resolution.plan
+        if not self.built:
+            self._layout = layout
+            return False
+        changed = self._in_place(layout, var_list)
+        if changed is not None:
+            self._layout = layout
+            return False
+        self._rebuild(layout, var_list)
+        return True
+
+    def _in_place(self, layout: Layout, var_list):
+        """Write mask, index and scale changes into place if no enforcer changes shape or kind; else None."""
+        old = self._enforcers
+        todo = []
+        for v in {id(v): v for v in list(var_list) + [e.variable for e in old.ordered]}.values():
+            e = layout.get(v)
+            if e is None or e.kind == "frozen":
+                if id(v) in old.by_id:
+                    return None
+                continue
+            enf = old.by_id.get(id(v))
+            if enf is None or enf.kind != e.kind or (e.kind == "compact" and enf.index.shape[0] != e.n_trainable):
+                return None
+            scale = _scale_value(e, enf)
+            if (scale is None) != (enf.scale is None) or (
+                scale is not None and tuple(scale.shape) != tuple(enf.scale.shape)
+            ):
+                return None
+            todo.append((enf, e, scale))
+        for enf, e, scale in todo:
+            if enf.kind in ("restore", "mask") and not np.array_equal(to_numpy(enf.mask), e.mask.dense()):
+                held = self._held(enf)
+                enf.mask.assign(e.mask.dense())
+                self._carry(enf, held)
+            elif enf.kind == "compact" and not np.array_equal(to_numpy(enf.index), e.mask.trainable_flat_indices()):
+                held = self._held(enf)
+                enf.index.assign(e.mask.trainable_flat_indices().astype(enf.index.dtype))
+                self._carry(enf, held)
+            if scale is not None:
+                enf.scale.assign(scale)
+        return True
+
+    def _rebuild(self, layout: Layout, var_list) -> None:
+        """New enforcers around the same inner optimizer, rebuilt in place; state carried by element."""
+        held = {id(e.variable): self._held(e) for e in self._enforcers.ordered}
+        others = {k: to_numpy(w) for k, w in _migrate.keyed(self._enforcers.state.other).items()}
+        ours = self._enforcers.own_variables()
+        _migrate.untrack(self, [w for w in self._variables if id(w) in ours])
+        _migrate.unbuild(self.inner_optimizer, self._inner_base)
+        self._layout = layout
+        with keras.name_scope(self.name, caller=self):
+            self._install(layout, var_list, held)
+        for k, w in _migrate.keyed(self._enforcers.state.other).items():
+            if k in others:
+                w.assign(others[k])  # Nadam's u_product and other global state
+        self._trainable_variables_indices = {}
+        keras.optimizers.Optimizer.build(self, list(var_list))
+
+    def begin_change(self):
+        """What :meth:`undo_change` needs to undo a :meth:`commit_change`."""
+        members = [self, *_migrate.family(self.inner_optimizer)]
+        dicts = [(o, dict(vars(o)), list(o._variables)) for o in members]
+        masks = [(w, to_numpy(w).copy()) for w in self._variables if id(w) in self._enforcers.own_variables()]
+        state = [(w, to_numpy(w).copy()) for ws in self._enforcers.state.per_element.values() for _, w, _ in ws]
+        return dicts, masks + state
+
+    @staticmethod
+    def undo_change(undo) -> None:
+        """Undo a :meth:`commit_change`: attributes, variable lists and values as they were."""
+        dicts, values = undo
+        for o, d, lst in dicts:
+            vars(o).clear()
+            vars(o).update(d)
+            _migrate.retrack(o, lst)
+        for w, value in values:
+            w.assign(value)
+
+    # -- applying ------------------------------------------------------------
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "FreezingOptimizer.apply(grads) without variables needs a built "
+                    "optimizer; pass the variables (or call build) first."
+                )
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(f"got {len(grads)} gradients for {len(trainable_variables)} variables.")
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        enf = self._enforcers
+        all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))
+        inner_g, inner_v, pending, seen, writes, raw = [], [], [], set(), [], []
+        for g, v in zip(grads, trainable_variables):
+            if id(v) in enf.frozen_ids:
+                continue
+            e = enf.by_id.get(id(v))
+            if e is None:
+                raise PlanError(
+                    f"FreezingOptimizer got a gradient for {var_path(v)!r}, a variable it was not built on "
+                    "(its plan was resolved against another model, or the model gained variables since). "
+                    "Compile each model with an optimizer from its own Freezer, created after the model "
+                    "is built: ff.Freezer(model, plan).wrap(...)."
+                )
+            if g is None and not all_steps:
+                continue
+            seen.add(id(v))
+            raw.append((e, g))
+            ig, ctx = e.prepare(g, writes)
+            if ig is not None:
+                inner_g.append(ig)
+                inner_v.append(e.inner_variable)
+            if e.kind != "train" or ctx is not None:
+                pending.append((e, ctx))
+        if all_steps:
+            for e in enf.ordered:
+                if e.kind in ("restore", "compact") and id(e.variable) not in seen:
+                    pending.append((e, e.prepare(None, writes)[1]))
+        write_all(writes)
+        if self.track_gradient_norms:
+            self._record_norms(raw)
+        if inner_g:
+            self.inner_optimizer.apply(inner_g, inner_v)
+        else:
+            self.inner_optimizer.iterations.assign_add(1)
+        writes = []
+        for e, ctx in pending:
+            e.finish(ctx, writes)
+        write_all(writes)
+
+    def _record_norms(self, raw):
+        """Norms of the raw gradient on trainable and on frozen elements."""
+        self._norms_recorded = True
+        tn, fn = ops.zeros(()), ops.zeros(())
+        for e, g in raw:
+            if g is None:
+                continue
+            g = ops.cast(flat_dense(g), "float32")
+            total = ops.sum(ops.square(g))
+            if e.kind == "train":
+                tn += total
+                continue
+            if e.kind == "compact":
+                trained = ops.sum(ops.square(ops.take(g, e.index.value, axis=0)))
+            else:
+                trained = ops.sum(ops.square(ops.where(ops.reshape(e.mask.value, (-1,)), ops.zeros_like(g), g)))
+            tn += trained
+            fn += ops.maximum(total - trained, 0.0)
+        write_all(
+            [(self._enforcers.norms[0], assign, (ops.sqrt(tn),)), (self._enforcers.norms[1], assign, (ops.sqrt(fn),))]
+        )
+
+    def finalize_variable_values(self, var_list):
+        if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
+            return
+        writes = []
+        pending = [(e, e.prepare(None, writes)[1]) for e in self._enforcers.ordered if e.kind in ("restore", "compact")]
+        write_all(writes)
+        self.inner_optimizer.finalize_variable_values(self.inner_optimizer._trainable_variables)
+        writes = []
+        for e, ctx in pending:
+            e.finish(ctx, writes)
+        write_all(writes)
+        if tensorflow() is None:
+            # The EMA overwrite made each variable share its buffer with its average;
+            # JAX's next train step donates both and fails (plain Keras 3.15 too).
+            for v in self.inner_optimizer._trainable_variables:
+                v.assign(ops.copy(v.value))
+
+    # -- serialization -------------------------------------------------------
+    def get_config(self):
+        plan = None
+        if self._plan is not None:
+            try:
+                plan = self._plan.to_dict()
+            except PlanError:
+                plan = None
+        layout = self._layout.to_config() if self._layout is not None else self._saved_layout
+        return {
+            "name": self.name,
+            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "plan": plan,
+            "strategy": self._strategy,
+            "layout": layout,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
+        plan = config.pop("plan", None)
+        return cls(
+            inner,
+            Plan.from_dict(plan) if plan else None,
+            strategy=config.pop("strategy", "auto"),
+            name=config.pop("name", None),
+            _saved_layout=config.pop("layout", None),
+        )
+
+
+def _elements(e: Enforcer, trained_only: bool) -> np.ndarray:
+    """Flat indices of the model elements behind an enforcer's per-element state, in state order."""
+    if e.kind == "compact":
+        return to_numpy(e.index).astype(np.int64)
+    idx = np.arange(int(np.prod(e.shape, dtype=np.int64)))
+    if trained_only and e.mask is not None:
+        idx = idx[~to_numpy(e.mask).reshape(-1)]
+    return idx
+
+
+def _scale_value(e: VarLayout, enf: Enforcer) -> np.ndarray | None:
+    """The lr_scale values an enforcer holds: None (all 1), a scalar, or one per inner element."""
+    if not e.per_element_scale:
+        return None if e.scale == 1.0 else np.asarray(e.scale, np.float32)
+    if enf.kind == "compact":
+        if e.mask is None:
+            return np.ones((e.n_trainable,), np.float32)
+        return e.scale.reshape(-1)[e.mask.trainable_flat_indices()].astype(np.float32)
+    return e.scale.astype(np.float32)
+
+
+def find_freezing_optimizer(model) -> FreezingOptimizer | None:
+    """The FreezingOptimizer compiled into ``model``, looking through wrappers such as LossScaleOptimizer."""
+    opt = getattr(model, "optimizer", None)
+    while opt is not None and not isinstance(opt, FreezingOptimizer):
+        opt = getattr(opt, "inner_optimizer", None)
+    return opt
+
+
+def freezer_of(model, given, who: str):
+    """``given``, else the Freezer of ``model`` (``Freezer.of``).
+
+    Raises:
+        TypeError: there is none; the message says how to fix it.
+    """
+    if given is not None:
+        return given
+    from finefreeze._freezer.freezer import Freezer
+
+    frz = Freezer.of(model)
+    if frz is None:
+        raise TypeError(
+            f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
+        )
+    return frz
+
+
+def _eager_values(variable, idx: np.ndarray) -> np.ndarray:
+    """The variable's elements at flat ``idx``, read eagerly even while a train function is traced."""
+    with eager_scope():
+        return np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[idx]
+
+
+def _const(value):
+    value = np.asarray(value)
+
+    def init(shape, dtype=None):
+        return value.reshape(shape)
+
+    return init

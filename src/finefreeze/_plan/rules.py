@@ -1,0 +1,258 @@
+"""Rules: ``freeze(...)`` and ``train(...)``, parsed once into immutable values."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from finefreeze._errors import PlanError
+from finefreeze._plan.index import IndexSpec, parse_index
+from finefreeze._plan.selectors import Selector, to_selector
+
+__all__ = ["Rule", "freeze", "train"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rule:
+    """One line of a plan: an action applied to what a selector picks.
+
+    Build rules with :func:`freeze` and :func:`train`; ``repr(rule)`` reads
+    like the line that made it.
+
+    Example:
+        >>> import finefreeze as ff
+        >>> rule = ff.freeze("encoder/**")
+        >>> rule.action, rule.to_dict()
+        ('freeze', {'freeze': 'encoder/**'})
+    """
+
+    action: str  # "freeze" | "train"
+    selector: Selector
+    index: IndexSpec | None = None
+    mask: np.ndarray | None = None
+    indices: tuple[tuple[int, ...], ...] | None = None
+    where: Callable | None = None
+    lr_scale: float | None = None
+
+    @property
+    def freezes(self) -> bool:
+        return self.action == "freeze"
+
+    @property
+    def picks_elements(self) -> bool:
+        return any(x is not None for x in (self.index, self.mask, self.indices, self.where))
+
+    def __repr__(self) -> str:
+        first = repr(self.selector)
+        if self.index is not None:
+            first = repr(f"{self.selector.to_json()}{self.index.text}")
+        args = [first]
+        if self.mask is not None:
+            args.append(f"mask=<bool {self.mask.shape}>")
+        if self.indices is not None:
+            args.append(f"indices={[list(t) for t in self.indices]}")
+        if self.where is not None:
+            args.append(f"where={getattr(self.where, '__name__', 'callable')}")
+        if self.lr_scale is not None:
+            args.append(f"lr_scale={self.lr_scale}")
+        return f"{self.action}({', '.join(args)})"
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Rule):
+            return NotImplemented
+        try:
+            return self.to_dict() == other.to_dict()
+        except PlanError:
+            return self is other
+
+    def __hash__(self):
+        return hash(repr(self))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form, as written in plan files.
+
+        Raises:
+            PlanError: the rule holds a callable, an instance or a variable.
+        """
+        sel = self.selector.to_json()
+        if self.index is not None:
+            sel = f"{sel}{self.index.text}"
+        d: dict[str, Any] = {self.action: sel}
+        if self.mask is not None:
+            d["mask"] = encode_mask(self.mask)
+        if self.indices is not None:
+            d["indices"] = [list(t) for t in self.indices]
+        if self.where is not None:
+            raise PlanError(
+                f"rule {self!r}: a where= callable cannot be written to a plan "
+                "file. The resolved masks persist with the optimizer and in delta "
+                "files; for a plan file, use mask= or indices=."
+            )
+        if self.lr_scale is not None:
+            d["lr_scale"] = self.lr_scale
+        return d
+
+
+PACKED_MASK_AT = 64  #: masks with more elements are written packed, 1 bit per element
+
+
+def encode_mask(mask: np.ndarray):
+    """A mask as plan files write it: nested bool lists, or ``{"shape", "packbits"}`` when large.
+
+    Large masks (from ``ff.select``, say) would otherwise cost about 6 bytes
+    of JSON per element; packed they cost 1/6 byte (base64 of ``np.packbits``).
+    """
+    if mask.size <= PACKED_MASK_AT or mask.dtype != np.bool_:
+        return mask.tolist()
+    bits = base64.b64encode(np.packbits(mask.ravel()).tobytes()).decode("ascii")
+    return {"shape": list(mask.shape), "packbits": bits}
+
+
+def decode_mask(value, where: str) -> np.ndarray:
+    """The bool array of :func:`encode_mask`'s packed form.
+
+    Raises:
+        PlanError: a malformed packed mask.
+    """
+    if set(value) != {"shape", "packbits"}:
+        raise PlanError(f"{where}: a packed mask has exactly 'shape' and 'packbits'; got keys {sorted(value)}.")
+    shape = value["shape"]
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise PlanError(f"{where}: packed mask shape must be a list of sizes, got {shape!r}.")
+    try:
+        raw = np.frombuffer(base64.b64decode(value["packbits"], validate=True), dtype=np.uint8)
+    except (TypeError, ValueError) as e:
+        raise PlanError(f"{where}: packed mask bits are not base64 ({e}).") from None
+    size = math.prod(shape)
+    if len(raw) != -(-size // 8):
+        raise PlanError(
+            f"{where}: packed mask of shape {tuple(shape)} needs {-(-size // 8)} bytes, got {len(raw)}; "
+            "write the mask again."
+        )
+    return np.unpackbits(raw, count=size).astype(bool).reshape(shape)
+
+
+def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
+    sel, suffix = to_selector(selector)
+    index = None
+    if suffix is not None:
+        index = parse_index(suffix, selector, len(selector) - len(suffix))
+    if mask is not None:
+        mask_arr = np.asarray(mask)
+        if mask_arr.dtype != np.bool_:
+            raise PlanError(
+                f"{action}({selector!r}, mask=...): mask has dtype {mask_arr.dtype}, "
+                f"shape {mask_arr.shape}; it must be a bool array (True = selected). "
+                "Convert with mask.astype(bool)."
+            )
+        mask_arr = mask_arr.copy()
+        mask_arr.setflags(write=False)
+        mask = mask_arr
+    if indices is not None:
+        indices = _norm_indices(action, selector, indices)
+    if where is not None and not callable(where):
+        raise PlanError(
+            f"{action}({selector!r}, where=...): where must be a callable taking "
+            f"the variable's numpy value and returning a bool array; got {type(where).__name__}."
+        )
+    if lr_scale is not None:
+        if (
+            isinstance(lr_scale, bool)
+            or not isinstance(lr_scale, (int, float))
+            or not math.isfinite(lr_scale)
+            or lr_scale < 0
+        ):
+            raise PlanError(
+                f"train({selector!r}, lr_scale={lr_scale!r}): lr_scale must be a "
+                "finite number >= 0 (0 is not freezing: use freeze for that)."
+            )
+        lr_scale = float(lr_scale)
+    return Rule(action, sel, index, mask, indices, where, lr_scale)
+
+
+def _norm_indices(action, selector, indices) -> tuple[tuple[int, ...], ...]:
+    try:
+        out = tuple(tuple(int(i) for i in (t if isinstance(t, (tuple, list)) else (t,))) for t in indices)
+    except (TypeError, ValueError):
+        raise PlanError(
+            f"{action}({selector!r}, indices=...): indices must be a list of integer "
+            f"tuples, one per element, e.g. [(0, 0), (1, 1)]; got {indices!r}."
+        ) from None
+    if not out:
+        raise PlanError(f"{action}({selector!r}, indices=[]): the index list is empty.")
+    return out
+
+
+def freeze(
+    selector: Any = None,
+    *,
+    mask: np.ndarray | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
+    where: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> Rule:
+    """A rule that freezes what ``selector`` (and the element pickers) select.
+
+    Args:
+        selector: a path glob (``"encoder/**"``, optionally with an index
+            suffix ``"emb/embeddings[:1000]"``), ``"re:<regex>"``, a layer
+            class, a layer or ``tf.Module`` instance, a variable, or a callable
+            ``(path, variable) -> bool``. ``None`` selects every variable.
+        mask: bool array broadcastable to the variable's shape (True = pick).
+        indices: list of index tuples, one per picked element.
+        where: callable on the variable's numpy value returning a bool array.
+            Evaluated once, when the plan is resolved.
+
+    Returns:
+        An immutable :class:`Rule`.
+
+    Raises:
+        PlanError: bad glob, regex or index syntax, non-bool mask, bad indices.
+
+    Example:
+        >>> import finefreeze as ff
+        >>> ff.freeze("encoder/**")
+        freeze('encoder/**')
+        >>> ff.freeze("emb/embeddings[:1000]")
+        freeze('emb/embeddings[:1000]')
+    """
+    return _make("freeze", selector, mask, indices, where, None)
+
+
+def train(
+    selector: Any = None,
+    *,
+    mask: np.ndarray | None = None,
+    indices: Sequence[Sequence[int]] | None = None,
+    where: Callable[[np.ndarray], np.ndarray] | None = None,
+    lr_scale: float | None = None,
+) -> Rule:
+    """A rule that makes what ``selector`` selects trainable.
+
+    Takes the same selectors as :func:`freeze`. Only variables Keras would
+    train can be trained: moving statistics stay outside plans.
+
+    Args:
+        selector: see :func:`freeze`.
+        mask: see :func:`freeze`.
+        indices: see :func:`freeze`.
+        where: see :func:`freeze`.
+        lr_scale: multiplies the selected elements' whole optimizer step
+            (weight decay included); ``None`` means 1.
+
+    Returns:
+        An immutable :class:`Rule`.
+
+    Raises:
+        PlanError: as :func:`freeze`, or a negative / non-finite ``lr_scale``.
+
+    Example:
+        >>> import finefreeze as ff
+        >>> ff.train("head/**", lr_scale=0.1)
+        train('head/**', lr_scale=0.1)
+    """
+    return _make("train", selector, mask, indices, where, lr_scale)

@@ -1,0 +1,247 @@
+"""The freeze report: a JSON-able dict and a ``model.summary()``-like table."""
+
+from __future__ import annotations
+
+from finefreeze._report.groups import batchnorm_line, build_groups
+from finefreeze._report.state_size import optimizer_state
+from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
+
+__all__ = ["build_report", "format_summary"]
+
+
+def _decider(plan, idx: int) -> str:
+    if idx >= len(plan.rules):
+        return f"batchnorm={plan.batchnorm!r}"
+    return "keras state" if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
+
+
+def build_report(frz) -> dict:
+    res = frz.resolution
+    plan = res.plan
+    variables = []
+    state_label, slots = optimizer_state(frz)
+    for s in res.states:
+        size = s.info.size
+        strategy = frz.strategy_for(s.path) if s.state == PARTIAL else None
+        if s.state == TRAINABLE:
+            adam = 2 * size
+        elif s.state == PARTIAL:
+            adam = 2 * (s.n_trainable if strategy == "compact" else size)
+        else:
+            adam = 0
+        layer = s.path.rsplit("/", 1)[0] if "/" in s.path else ""
+        variables.append(
+            {
+                "path": s.path,
+                "layer": layer,
+                "shape": list(s.info.shape),
+                "dtype": s.info.dtype,
+                "elements": size,
+                "trainable_elements": s.n_trainable,
+                "frozen_elements": size - s.n_trainable if s.state != UNTRAINED else 0,
+                "state": s.state,
+                "strategy": strategy,
+                "lr_scale": s.lr_scale,
+                "adam_state_elements": adam,
+                "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
+                "decided_by": [{"rule": _decider(plan, i), "elements": n} for i, n in s.decided_by],
+            }
+        )
+    layers: dict[str, dict] = {}
+    for v in variables:
+        row = layers.setdefault(
+            v["layer"],
+            {
+                "layer": v["layer"],
+                "elements": 0,
+                "trainable_elements": 0,
+                "frozen_elements": 0,
+                "untrained_elements": 0,
+                "adam_state_elements": 0,
+                "optimizer_state_elements": 0,
+                "variables": [],
+            },
+        )
+        row["elements"] += v["elements"]
+        row["trainable_elements"] += v["trainable_elements"]
+        row["frozen_elements"] += v["frozen_elements"]
+        row["untrained_elements"] += v["elements"] if v["state"] == UNTRAINED else 0
+        row["adam_state_elements"] += v["adam_state_elements"]
+        row["optimizer_state_elements"] += v["optimizer_state_elements"]
+        row["variables"].append(v["path"])
+    for row in layers.values():
+        trainable = row["elements"] - row["untrained_elements"]
+        if row["trainable_elements"] == 0:
+            row["state"] = FROZEN if trainable else UNTRAINED
+        elif row["frozen_elements"] == 0:
+            row["state"] = TRAINABLE
+        else:
+            row["state"] = PARTIAL
+    totals = {
+        "variables": len(variables),
+        "elements": sum(v["elements"] for v in variables),
+        "trainable_elements": sum(v["trainable_elements"] for v in variables),
+        "frozen_elements": sum(v["frozen_elements"] for v in variables),
+        "untrained_elements": sum(v["elements"] for v in variables if v["state"] == UNTRAINED),
+        "adam_state_elements": sum(v["adam_state_elements"] for v in variables),
+        "optimizer_state_elements": sum(v["optimizer_state_elements"] for v in variables),
+        "by_state": {k: sum(1 for v in variables if v["state"] == k) for k in (TRAINABLE, PARTIAL, FROZEN, UNTRAINED)},
+    }
+    decided: dict[int, int] = {}
+    for st in res.states:
+        for i, n in st.decided_by:
+            decided[i] = decided.get(i, 0) + n
+    lr_scales = [
+        {"rule": _decider(plan, i), "lr_scale": r.lr_scale, "elements": decided.get(i, 0)}
+        for i, r in enumerate(plan.rules)
+        if not r.freezes and r.lr_scale is not None and r.lr_scale != 1.0
+    ]
+    rep = {
+        "plan": [repr(r) for r in plan.rules],
+        "optimizer_state": state_label,
+        "batchnorm": batchnorm_line(plan.batchnorm),
+        "lr_scales": lr_scales,
+        "strategy": frz.strategy,
+        "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
+        "layers": list(layers.values()),
+        "variables": variables,
+        "totals": totals,
+        "history": list(getattr(frz, "_history", [])),
+    }
+    rep["groups"] = build_groups(frz, rep)
+    return rep
+
+
+def _fmt_state(v) -> str:
+    if v["state"] == PARTIAL:
+        pct = 100.0 * v["frozen_elements"] / max(1, v["elements"] - v.get("untrained_elements", 0))
+        return f"partial {pct:.1f}% frozen"
+    return v["state"]
+
+
+#: the width a summary aims at; longer texts end in an ellipsis (full text in ``report()``)
+WIDTH = 132
+_NAME_WIDTH = 32  # layer and variable names: longer ones lose their middle
+_SHAPE_WIDTH = 20
+_DECIDED_MIN = 20  # "Decided by" keeps at least this much even when other columns are wide
+
+
+def _shorten(text: str, width: int, *, middle: bool = False) -> str:
+    """``text`` cut to ``width`` characters with an ellipsis (in the middle for paths)."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    if middle:
+        head = (width - 1) // 2
+        return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
+    return text[: width - 1] + "…"
+
+
+def _unique(items) -> list:
+    return list(dict.fromkeys(items))
+
+
+def _rule_numbers(deciders) -> str:
+    """``"1, 3"`` for the rules (numbered as in the plan legend) that decided some elements.
+
+    Elements no rule selects are named by their owner's state: ``keras`` (or
+    ``graph`` for a ``tf.compat.v1`` graph's ``graph state``).
+    """
+    out = []
+    for d in deciders:
+        number, sep, _ = d["rule"].partition(": ")
+        out.append(number if sep and number.isdigit() else d["rule"].removesuffix(" state"))
+    return ", ".join(_unique(out))
+
+
+_LEGEND_RULES = 20  # rules listed above the table; the rest are counted
+
+
+def format_summary(rep: dict, *, variables: bool = True) -> str:
+    by_path = {v["path"]: v for v in rep["variables"]}
+    label = rep.get("optimizer_state", "Adam state")
+    head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", label, "Decided by")
+    rows = []
+    for layer in rep["layers"]:
+        own = [by_path[p] for p in layer["variables"]]
+        n = len(own)
+        rows.append(
+            (
+                _shorten(layer["layer"] or "(root)", _NAME_WIDTH, middle=True),
+                f"{n} variable{'s' if n != 1 else ''}",
+                f"{layer['elements']:,}",
+                f"{layer['trainable_elements']:,}",
+                f"{layer['frozen_elements']:,}",
+                _fmt_state(layer),
+                f"{layer['optimizer_state_elements']:,}",
+                _rule_numbers(d for v in own for d in v["decided_by"]),
+            )
+        )
+        if variables:
+            for v in own:
+                name = "  " + _shorten(v["path"].rsplit("/", 1)[-1], _NAME_WIDTH - 2, middle=True)
+                state = _fmt_state(v) + (f" [{v['strategy']}]" if v["strategy"] else "")
+                deciders = _rule_numbers(v["decided_by"])
+                rows.append(
+                    (
+                        name,
+                        str(tuple(v["shape"])),
+                        f"{v['elements']:,}",
+                        f"{v['trainable_elements']:,}",
+                        f"{v['frozen_elements']:,}",
+                        state,
+                        f"{v['optimizer_state_elements']:,}",
+                        deciders,
+                    )
+                )
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    widths[1] = min(widths[1], _SHAPE_WIDTH)
+    widths[-1] = min(widths[-1], max(_DECIDED_MIN, WIDTH - sum(widths[:-1]) - 2 * (len(widths) - 1)))
+
+    def line(r):
+        cells = [_shorten(str(c), widths[i]) for i, c in enumerate(r)]
+        return "  ".join(
+            c.ljust(w) if i in (0, 1, 5, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    rule = "─" * min(WIDTH, sum(widths) + 2 * (len(widths) - 1))
+    t = rep["totals"]
+    out = ["Freeze plan:" + ("" if rep["plan"] else " no rules (every variable as Keras trains it)")]
+    out += [_shorten(f"  {i + 1}: {r}", WIDTH) for i, r in enumerate(rep["plan"][:_LEGEND_RULES])]
+    if len(rep["plan"]) > _LEGEND_RULES:
+        out.append(f"  … and {len(rep['plan']) - _LEGEND_RULES} more rules (all in report()['plan'])")
+    out += [rule, line(head), rule]
+    if rep.get("batchnorm"):
+        out.insert(1, rep["batchnorm"])
+    out += [line(r) for r in rows]
+    out.append(rule)
+    pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
+    out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% of what Keras trains)")
+    out.append(f"Frozen elements:    {t['frozen_elements']:,}")
+    out.append(f"Not trained by Keras (moving statistics etc.): {t['untrained_elements']:,}")
+    out.append(f"Optimizer {label}: {t['optimizer_state_elements']:,} elements")
+    if rep["frozen_layers"]:
+        names = rep["frozen_layers"]
+        text = f"Frozen as layers (inference mode): {', '.join(names)}"
+        if len(text) > WIDTH:
+            tail = f" ({len(names)} layers; all in report()['frozen_layers'])"
+            text = _shorten(text, WIDTH - len(tail)) + tail
+        out.append(text)
+    for g in rep.get("lr_scales", []):
+        out.append(
+            _shorten(f"Learning-rate scale {g['lr_scale']:g} for {g['elements']:,} elements: rule {g['rule']}", WIDTH)
+        )
+    history = rep.get("history", [])
+    if len(history) > 1:
+        out.append("Plan changes:")
+        for h in history:
+            how = "retraced" if h["retraced"] else "no retrace"
+            out.append(
+                _shorten(
+                    f"  step {h['step']:>6} ({h['time']}): {h['trainable_elements']:,} trainable "
+                    f"elements [{how}]: {', '.join(h['plan'])}",
+                    WIDTH,
+                )
+            )
+    return "\n".join(out)

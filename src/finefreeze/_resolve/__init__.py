@@ -1,0 +1,9 @@
+"""Room of resolution: a plan against the variables of a target, element by element.
+
+Owns: collecting a target's variables (``targets``), names as scopes
+(``scopes``), compact masks (``masks``), blocks of a model (``blocks``), the
+immutable ``Resolution`` (``resolve``) and the fingerprint of frozen elements
+that ``verify`` checks (``fingerprint``).
+
+May import: ``finefreeze._errors``, ``_backends``, ``_plan``.
+"""

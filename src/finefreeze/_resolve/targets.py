@@ -1,0 +1,284 @@
+"""Collect the variables of a target (Keras layer/model, tf.Module, list).
+
+Each variable becomes a :class:`VarInfo` with its path, aliases, owning layer
+and the trainable state it had before any Freezer touched it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+from finefreeze._errors import PlanError
+from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
+
+__all__ = ["VarInfo", "Target", "collect", "var_path"]
+
+_BASE_ATTR = "_finefreeze_base_trainable"
+
+
+def var_path(v) -> str:
+    """Keras path of a variable, or a raw ``tf.Variable``'s name without ``:N``."""
+    p = getattr(v, "path", None)
+    if isinstance(p, str) and p:
+        return p
+    name = getattr(v, "name", "") or ""
+    return name.rsplit(":", 1)[0] if ":" in name else name
+
+
+def match_path(path: str, by_path: dict, what: str = "variable"):
+    """The value stored under ``path``, allowing one model-name prefix more or less.
+
+    Saved and reloaded models disagree on that prefix (a reloaded Sequential
+    drops its own name), so an exact match wins, then a unique match that
+    differs by leading path segments.
+
+    Raises:
+        PlanError: several entries match only by suffix.
+    """
+    if path in by_path:
+        return by_path[path]
+    near = [k for k in by_path if k.endswith("/" + path) or path.endswith("/" + k)]
+    if len(near) > 1:
+        from finefreeze._errors import PlanError
+
+        raise PlanError(f"{what} {path!r} matches several entries ({', '.join(near)}); give layers unique names.")
+    return by_path[near[0]] if near else None
+
+
+def base_trainable(obj) -> bool:
+    """The ``trainable`` flag of a variable or layer before finefreeze set it."""
+    if hasattr(obj, _BASE_ATTR):
+        return getattr(obj, _BASE_ATTR)
+    return bool(getattr(obj, "trainable", True))
+
+
+def remember_base(obj) -> None:
+    if not hasattr(obj, _BASE_ATTR):
+        try:
+            setattr(obj, _BASE_ATTR, bool(obj.trainable))
+        except AttributeError:  # pragma: no cover - objects without __dict__
+            pass
+
+
+@dataclasses.dataclass(eq=False)
+class VarInfo:
+    path: str
+    names: tuple[str, ...]  # path first, then aliases
+    variable: Any  # what the user and optimizer see (keras.Variable or tf.Variable)
+    raw: Any  # the underlying tf.Variable (same object for raw variables)
+    shape: tuple[int, ...]
+    dtype: str
+    owner: Any  # owning layer / module, or None
+    base_trainable: bool
+    is_keras: bool
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def numpy(self):
+        """The variable's current value as a numpy array (``where=`` reads it)."""
+        from finefreeze._backends.read import read
+
+        return read(self.variable)
+
+
+@dataclasses.dataclass(eq=False)
+class Target:
+    obj: Any
+    kind: str  # "keras" | "module" | "variables"
+    variables: list[VarInfo]
+    layers: list[Any]  # every layer / submodule, deduplicated
+    # a scoped name (a nested layer's name added to a path) that names several variables
+    ambiguous: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self._name_index = None  # every name joined once, for selectors that match all variables at once
+        self._class_ids: dict = {}
+        self._inst_ids: dict = {}
+
+    def class_weight_ids(self, cls) -> frozenset:
+        key = cls if isinstance(cls, str) else id(cls)
+        if key not in self._class_ids:
+            ids = set()
+            for layer in self.layers:
+                if _is_instance(layer, cls):
+                    ids.update(id(v) for v in _layer_weights(layer))
+            self._class_ids[key] = frozenset(ids)
+        return self._class_ids[key]
+
+    def instance_weight_ids(self, obj) -> frozenset:
+        if id(obj) not in self._inst_ids:
+            self._inst_ids[id(obj)] = frozenset(id(v) for v in _layer_weights(obj))
+        return self._inst_ids[id(obj)]
+
+
+def _is_instance(layer, cls) -> bool:
+    if isinstance(cls, str):
+        return any(c.__name__ == cls for c in type(layer).__mro__)
+    return isinstance(layer, cls)
+
+
+def _layer_weights(obj):
+    w = getattr(obj, "weights", None)
+    if w is None:
+        w = getattr(obj, "variables", ())
+    return list(w)
+
+
+def _shape_dtype(v):
+    shape = tuple(map(int, v.shape))
+    dt = v.dtype
+    return shape, dt if isinstance(dt, str) else (getattr(dt, "name", None) or str(dt))
+
+
+def _tf():
+    """``tensorflow`` if it is imported, else None: a tf.Module or tf.Variable cannot exist without it."""
+    return sys.modules.get("tensorflow")
+
+
+def collect(target) -> Target:
+    """Build a :class:`Target` from a Keras layer/model, tf.Module or list.
+
+    Raises:
+        PlanError: an unsupported target, or two variables with one path.
+    """
+    import keras
+
+    if isinstance(target, keras.layers.Layer):
+        t = _collect_keras(target)
+    elif isinstance(target, (list, tuple)):
+        t = _collect_list(target)
+    else:
+        tf = _tf()
+        if tf is not None and isinstance(target, tf.Module):
+            t = _collect_module(target)
+        else:
+            raise PlanError(
+                f"cannot freeze a {type(target).__name__}: the target must be a "
+                "Keras model or layer, a tf.Module, or a list of variables."
+            )
+    seen: dict[str, VarInfo] = {}
+    for vi in t.variables:
+        other = seen.get(vi.path)
+        if other is not None:
+            raise PlanError(
+                f"two different variables share the path {vi.path!r} (shapes "
+                f"{other.shape} and {vi.shape}); paths must identify one variable. "
+                "Give the variables or their layers unique names."
+            )
+        seen[vi.path] = vi
+    if not t.variables:
+        raise PlanError(
+            f"the target {type(target).__name__} has no variables; build the model "
+            "(call it once or use an Input) before creating a Freezer."
+        )
+    return t
+
+
+def _collect_keras(root) -> Target:
+    import keras
+
+    infos: list[VarInfo] = []
+    seen: set[int] = set()
+    layers: list = []
+    layer_ids: set[int] = set()
+    root_trainable = base_trainable(root)
+
+    def walk(layer, scope):
+        if id(layer) in layer_ids:
+            return
+        layer_ids.add(id(layer))
+        layers.append(layer)
+        for v in list(layer._trainable_variables) + list(layer._non_trainable_variables):
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            shape, dtype = _shape_dtype(v)
+            path = var_path(v)
+            infos.append(
+                VarInfo(
+                    path=path,
+                    names=(path, *scoped_aliases(path, scope)),
+                    variable=v,
+                    raw=getattr(v, "value", v) if isinstance(v, keras.Variable) else v,
+                    shape=shape,
+                    dtype=dtype,
+                    owner=layer,
+                    base_trainable=root_trainable and base_trainable(v),
+                    is_keras=True,
+                )
+            )
+        for sub in layer._layers:
+            walk(sub, (*scope, sub.name))
+
+    walk(root, ())
+    order = {id(v): i for i, v in enumerate(root.weights)}
+    infos.sort(key=lambda vi: order.get(id(vi.variable), len(order)))
+    ambiguous = drop_ambiguous_aliases(infos)
+    return Target(root, "keras", infos, layers, ambiguous)
+
+
+def _collect_list(variables) -> Target:
+    import keras
+
+    tf = None
+    infos = []
+    seen = set()
+    for i, v in enumerate(variables):
+        if isinstance(v, keras.Variable):
+            raw, is_keras = v.value, True
+        else:
+            tf = tf or _tf()
+            if tf is None or not isinstance(v, tf.Variable):
+                raise PlanError(
+                    f"target list item {i} is a {type(v).__name__}, not a variable; "
+                    "pass keras.Variable or tf.Variable objects."
+                )
+            raw, is_keras = v, False
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        shape, dtype = _shape_dtype(v)
+        p = var_path(v)
+        infos.append(VarInfo(p, (p,), v, raw, shape, dtype, None, base_trainable(v), is_keras))
+    return Target(list(variables), "variables", infos, [])
+
+
+def _collect_module(module) -> Target:
+    tf = _tf()
+    import keras
+
+    pairs = module._flatten(predicate=lambda x: isinstance(x, (tf.Variable, keras.Variable)), with_path=True)
+    by_id: dict[int, list] = {}
+    order: list = []
+    for path, v in pairs:
+        if id(v) not in by_id:
+            by_id[id(v)] = [v, []]
+            order.append(id(v))
+        by_id[id(v)][1].append("/".join(str(p) for p in path))
+    name_count: dict[str, int] = {}
+    for vid in order:
+        p = var_path(by_id[vid][0])
+        name_count[p] = name_count.get(p, 0) + 1
+    infos = []
+    for vid in order:
+        v, attr_paths = by_id[vid]
+        name = var_path(v)
+        # A name shared by several variables identifies none of them: the
+        # attribute path becomes the path, and the name is not an alias.
+        names = ([name] if name_count[name] == 1 else []) + attr_paths
+        shape, dtype = _shape_dtype(v)
+        is_keras = isinstance(v, keras.Variable)
+        infos.append(
+            VarInfo(
+                names[0], tuple(names), v, v.value if is_keras else v, shape, dtype, None, base_trainable(v), is_keras
+            )
+        )
+    layers = [module] + list(module.submodules)
+    return Target(module, "module", infos, layers)

@@ -1,0 +1,270 @@
+"""``select``: choose from data which elements to train, as an ordinary plan."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import keras
+import numpy as np
+
+from finefreeze._backends.gradients import need_gradients
+from finefreeze._errors import PlanError
+from finefreeze._plan.plan import Plan
+from finefreeze._plan.rules import freeze, train
+from finefreeze._resolve.resolve import FROZEN, UNTRAINED, resolve
+from finefreeze._resolve.targets import collect
+from finefreeze._select.scores import DATA_SCORES, SCORES, static_score, stream_scores
+
+__all__ = ["select", "top_k", "split_budget"]
+
+
+def _keys(a: np.ndarray) -> np.ndarray:
+    """uint32 keys whose order is the float32 order of ``a`` (no NaN)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    neg = (u >> 31).astype(bool)
+    return np.where(neg, ~u, u | np.uint32(0x80000000))
+
+
+def top_k(scores: list[np.ndarray], allowed: list[np.ndarray], k: int) -> list[np.ndarray]:
+    """Bool masks of the ``k`` largest allowed scores over all arrays together.
+
+    Ties go to the earlier array, then the lower flat index. Works on one
+    array at a time (a binary search on the threshold), so it never builds a
+    second copy of all scores.
+    """
+    lo, hi = 0, 2**32 - 1  # find the largest key T with count(key >= T) >= k
+
+    def count(t):
+        return sum(int(np.count_nonzero((_keys(s) >= t) & m)) for s, m in zip(scores, allowed))
+
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if count(np.uint32(mid)) >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    t = np.uint32(lo)
+    out, left = [], k - sum(int(np.count_nonzero((_keys(s) > t) & m)) for s, m in zip(scores, allowed))
+    for s, m in zip(scores, allowed):
+        key = _keys(s)
+        chosen = (key > t) & m
+        if left > 0:
+            eq = np.flatnonzero(((key == t) & m).ravel())[:left]
+            chosen.ravel()[eq] = True
+            left -= len(eq)
+        out.append(chosen)
+    return out
+
+
+def split_budget(k: int, sizes: list[int]) -> list[int]:
+    """Split ``k`` elements over variables in proportion to ``sizes`` (largest remainders; exact sum)."""
+    total = sum(sizes)
+    exact = [k * n / total for n in sizes]
+    quota = [int(e) for e in exact]
+    order = sorted(range(len(sizes)), key=lambda i: (-(exact[i] - quota[i]), i))
+    for i in order[: k - sum(quota)]:
+        quota[i] += 1
+    return quota
+
+
+def _budget(budget, n: int) -> int:
+    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, float, np.integer, np.floating)):
+        raise PlanError(f"select: budget must be a fraction in (0, 1] or a count of elements; got {budget!r}.")
+    if isinstance(budget, (int, np.integer)):
+        if not 1 <= budget <= n:
+            raise PlanError(f"select: budget={budget} elements, but {n:,} elements can be chosen; use 1..{n}.")
+        return int(budget)
+    if not 0 < budget <= 1:
+        raise PlanError(
+            f"select: budget={budget!r} is not a fraction in (0, 1]; give a fraction (0.01 = 1 %) or an int count."
+        )
+    return max(1, int(np.floor(budget * n + 0.5)))
+
+
+def _selected(selectors, target, what: str) -> dict[str, np.ndarray]:
+    """Per variable path, the elements the selectors pick (bool arrays); strict."""
+    if selectors is None:
+        return {}
+    sels = selectors if isinstance(selectors, (list, tuple)) else [selectors]
+    try:
+        res = resolve(Plan([freeze("**")] + [train(s) for s in sels]), target)
+    except PlanError as e:
+        raise PlanError(f"select: {what}= {e}") from None
+    return {s.path: ~s.frozen_mask() for s in res.states if s.state not in (UNTRAINED, FROZEN)}
+
+
+def _rule_selector(path: str) -> str:
+    return "re:" + re.escape(path) if any(c in path for c in "*?[]") else path
+
+
+def select(
+    model: keras.Model,
+    data: Any = None,
+    *,
+    budget: float | int,
+    score: str = "fisher",
+    include: Any = None,
+    exclude: Any = None,
+    loss: Any = None,
+    per_variable: bool = False,
+    largest: bool = True,
+    batch_size: int = 32,
+    batches: int | None = None,
+    microbatch: int = 16,
+    per_example: str = "auto",
+    epochs: int = 1,
+    optimizer: keras.optimizers.Optimizer | None = None,
+    seed: int = 0,
+    verbose: int = 1,
+) -> Plan:
+    """Choose which elements to train from a score, and return them as a plan.
+
+    The candidates are the elements Keras would train, minus ``include`` and
+    ``exclude``. Each candidate gets a score; the ``budget`` highest (over
+    the whole model, or per variable with ``per_variable=True``) are
+    trained, plus everything ``include`` selects; the rest is frozen.
+    Scores: ``"fisher"`` (sum over examples of the squared per-example
+    gradient, FISH masks), ``"gradient"`` (sum over batches of the absolute
+    batch gradient), ``"magnitude"`` (|w|; the smallest with
+    ``largest=False``), ``"delta"`` (|θ − θ₀| after ``epochs`` of training
+    on ``data`` with ``optimizer``, LT-SFT; the model's variables are then
+    assigned back, bit for bit), ``"random"`` (seeded). Scores are reduced
+    per variable while batches stream (one float32 accumulator per scored
+    element; ``fisher`` also holds ``microbatch`` gradients at a time) and
+    computed in inference mode (``training=False``). Ties go to the earlier
+    variable, then the lower flat index. Every score runs on the TensorFlow,
+    JAX and PyTorch backends, with the same results to float rounding.
+
+    Args:
+        model: a built Keras model.
+        data: ``(x, y)`` arrays, a ``tf.data.Dataset`` of ``(x, y)`` batches, or
+            an iterable of them; not needed for ``magnitude`` and ``random``.
+        budget: a fraction of the candidates in (0, 1] (rounded half up, at
+            least 1) or an int count of elements.
+        score: one of ``fisher``, ``gradient``, ``magnitude``, ``delta``, ``random``.
+        include: selector(s) (as in rules) trained in full, on top of the budget.
+        exclude: selector(s) never chosen.
+        loss: the loss for the scores; default the model's compiled loss.
+        per_variable: give each variable a quota in proportion to its
+            candidates (largest remainders; the quotas add up to the budget)
+            instead of one global top-k.
+        largest: for ``magnitude``: the largest (True) or smallest weights.
+        batch_size: batch size when ``data`` is arrays.
+        batches: use at most this many batches (per epoch for ``delta``).
+        microbatch: examples per vectorised per-example gradient (``fisher``).
+        per_example: how ``fisher`` takes per-example gradients:
+            ``"vectorized"`` (``tf.vectorized_map``, ``jax.vmap``,
+            ``torch.func.vmap``), ``"loop"`` (one example after the other,
+            one gradient at a time: slower on TensorFlow and PyTorch, faster
+            on JAX on a CPU for dense models), or ``"auto"``: vectorised,
+            except the loop for models
+            with a ``MultiHeadAttention`` layer on TensorFlow (its vectorised
+            gradient crashes TensorFlow 2.21) and, on PyTorch, from the first
+            microbatch ``vmap`` cannot batch on.
+        epochs: passes over the data for ``delta``.
+        optimizer: a fresh Keras optimizer for ``delta`` (default ``Adam(1e-3)``).
+        seed: seed of ``random``.
+        verbose: 1 shows a progress bar over the calibration batches.
+
+    Returns:
+        ``Plan([freeze("**"), train(include)..., train(path, mask=chosen)...])``.
+
+    Raises:
+        PlanError: unknown score, bad budget, a selector that selects
+            nothing, data in no known form, no loss, a score that is NaN,
+            a data score on a backend other than TensorFlow, JAX and
+            PyTorch, ``per_example="vectorized"`` on a model PyTorch's
+            ``vmap`` cannot batch.
+
+    Example:
+        >>> import keras, numpy as np, finefreeze as ff
+        >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
+        ...                       keras.layers.Dense(2, name="head")], name="net")
+        >>> plan = ff.select(m, budget=5, score="magnitude", include="**/head/**")
+        >>> frz = ff.Freezer(m, plan)
+        >>> frz.report()["totals"]["trainable_elements"]  # 5 chosen + the head's 8
+        13
+    """
+    if score not in SCORES:
+        raise PlanError(f"select: unknown score {score!r}; choose one of {', '.join(SCORES)}.")
+    for name, v in (("batch_size", batch_size), ("microbatch", microbatch), ("epochs", epochs)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"select: {name} must be an int >= 1; got {v!r}.")
+    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
+        raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
+    if per_example not in ("auto", "vectorized", "loop"):
+        raise PlanError(f"select: per_example={per_example!r}; choose 'auto', 'vectorized' or 'loop'.")
+    if score in DATA_SCORES:
+        need_gradients(score)
+    if score in DATA_SCORES and data is None:
+        raise PlanError(
+            f"select: score={score!r} needs data; pass data=(x, y), a tf.data.Dataset or an iterable of "
+            "batches, or use score='magnitude' or 'random'."
+        )
+    target = collect(model)
+    inc = _selected(include, target, "include")
+    exc = _selected(exclude, target, "exclude")
+    cand, allowed = [], []
+    for vi in target.variables:
+        if not vi.base_trainable:
+            continue
+        m = np.ones(vi.shape, bool)
+        for d in (inc, exc):
+            if vi.path in d:
+                m &= ~d[vi.path]
+        if m.any():
+            cand.append(vi)
+            allowed.append(m)
+    n = int(sum(np.count_nonzero(m) for m in allowed))
+    if n == 0:
+        raise PlanError("select: no element is left to choose from after include= and exclude=.")
+    k = _budget(budget, n)
+    if score in DATA_SCORES:
+        try:
+            scores = stream_scores(
+                model,
+                [vi.variable for vi in cand],
+                data,
+                score=score,
+                loss=loss,
+                batch_size=batch_size,
+                limit=batches,
+                microbatch=microbatch,
+                per_example=per_example,
+                epochs=epochs,
+                optimizer=optimizer,
+                verbose=verbose,
+            )
+        except PlanError:
+            raise
+        except (ValueError, TypeError) as e:  # data that does not fit the model, as Keras says it
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Keras colours its messages
+            lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+            said = [ln for ln in lines if re.search(r"expected|incompatible|shape", ln)]  # what Keras says is off
+            first = (said or lines or [type(e).__name__])[0][:200]
+            raise PlanError(
+                f"select: the data does not fit the model ({first}); pass (x, y) batches the model takes, as for fit."
+            ) from None
+    else:
+        rng = np.random.default_rng(seed)
+        scores = [static_score(score, np.asarray(vi.variable.numpy()), largest=largest, rng=rng) for vi in cand]
+    for vi, s in zip(cand, scores):
+        if np.isnan(s).any():
+            raise PlanError(
+                f"select: the {score} score of {vi.path} (shape {vi.shape}) has NaN; check the data and the loss."
+            )
+    if per_variable:
+        quotas = split_budget(k, [int(np.count_nonzero(m)) for m in allowed])
+        chosen = [top_k([s], [m], q)[0] if q else np.zeros_like(m) for s, m, q in zip(scores, allowed, quotas)]
+    else:
+        chosen = top_k(scores, allowed, k)
+    rules = [freeze("**")]
+    if include is not None:
+        rules += [train(s) for s in (include if isinstance(include, (list, tuple)) else [include])]
+    for vi, c in zip(cand, chosen):
+        if c.all():
+            rules.append(train(_rule_selector(vi.path)))
+        elif c.any():
+            rules.append(train(_rule_selector(vi.path), mask=c))
+    return Plan(rules)
