@@ -10,8 +10,9 @@ import pytest
 
 import finefreeze as ff
 from backend_utils import BACKEND, gradients
-from finefreeze._enforce.enforcer import unravel
-from finefreeze._enforce.layout import _kind, index_dtype
+from finefreeze._backends.variables import unravel
+from finefreeze._enforce.policy import choose_kind as _kind
+from finefreeze._enforce.policy import index_dtype
 
 
 def two_layers(name="m", seed=0):

@@ -6,9 +6,12 @@ a variable has one copy.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
-from finefreeze._backends.variables import native, tensorflow, to_numpy
+from finefreeze._backends.arrays import native, to_numpy
+from finefreeze._backends.questions import tensorflow
 from finefreeze._errors import DistributionError
 
 __all__ = ["owner_strategy", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
@@ -69,8 +72,6 @@ def check_optimizer(opt, variables, what: str) -> None:
 
 def owner_scope(variables):
     """The owning strategy's scope when called outside it (eager writes, new variables); else a no-op."""
-    import contextlib
-
     tf = tensorflow()
     owner = owner_strategy(variables) if tf is not None else None
     if owner is None or tf.distribute.has_strategy():

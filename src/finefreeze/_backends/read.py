@@ -10,18 +10,17 @@ variables take the ordinary path.
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
-from finefreeze._backends.variables import to_numpy
+from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.questions import tensorflow_imported
 
 __all__ = ["read"]
 
 
 def _ops():
     """TensorFlow's raw variable ops, when TensorFlow is already imported (never imported here)."""
-    if sys.modules.get("tensorflow") is None:  # not imported, or blocked
+    if tensorflow_imported() is None:  # not imported, or blocked
         return None
     from tensorflow.python.ops import gen_resource_variable_ops
 

@@ -19,48 +19,24 @@ TensorFlow is imported only when it is the Keras backend.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import keras
-import numpy as np
+from keras import ops
+
+from finefreeze._backends.arrays import native
+from finefreeze._backends.distribute import owner_scope
+from finefreeze._backends.questions import keras_is_jax, tensorflow, tensorflow_imported
 
 __all__ = [
     "current",
+    "unravel",
     "eager_scope",
     "flat_dense",
-    "native",
     "scatter_write",
     "select_frozen_to_zero",
     "snapshot",
-    "tensorflow",
-    "to_numpy",
     "write_all",
 ]
-
-
-def tensorflow():
-    """The ``tensorflow`` module when it is the Keras backend, else None."""
-    if keras.backend.backend() != "tensorflow":
-        return None
-    import tensorflow as tf
-
-    return tf
-
-
-def to_numpy(x) -> np.ndarray:
-    """The value of a variable or tensor as a numpy array, on every backend."""
-    if isinstance(x, keras.Variable) or keras.ops.is_tensor(x):
-        return np.asarray(keras.ops.convert_to_numpy(x))
-    numpy = getattr(x, "numpy", None)  # a raw tf.Variable, a value read through a session
-    return np.asarray(numpy() if numpy is not None else x)
-
-
-def native(v):
-    """The backend variable behind a Keras variable (a raw ``tf.Variable`` stays itself)."""
-    tf = sys.modules.get("tensorflow")
-    if tf is not None and isinstance(v, tf.Variable):
-        return v
-    return v.value if isinstance(v, keras.Variable) else v
 
 
 def snapshot(v):
@@ -72,7 +48,7 @@ def snapshot(v):
     tf = tensorflow()
     if tf is not None:
         return tf.identity(native(v))
-    if keras.backend.backend() == "jax":
+    if keras_is_jax():
         return v.value
     return keras.ops.copy(v.value)
 
@@ -89,14 +65,14 @@ def current(v):
 
 
 def _is_sparse(grad) -> bool:
-    tf = sys.modules.get("tensorflow")
+    tf = tensorflow_imported()
     return tf is not None and isinstance(grad, tf.IndexedSlices)
 
 
 def select_frozen_to_zero(mask, grad):
     """``grad`` with frozen elements (``mask`` True) selected to 0 (``where``, never a product)."""
     if _is_sparse(grad):  # TensorFlow embeddings: stay sparse, select the touched rows only
-        tf = sys.modules["tensorflow"]
+        tf = tensorflow_imported()
         rows = tf.gather(mask, grad.indices)
         values = tf.where(rows, tf.zeros_like(grad.values), grad.values)
         return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
@@ -107,8 +83,25 @@ def select_frozen_to_zero(mask, grad):
 def flat_dense(grad):
     """``grad`` as a dense flat tensor (an ``IndexedSlices`` is densified)."""
     if _is_sparse(grad):
-        grad = sys.modules["tensorflow"].convert_to_tensor(grad)
+        grad = tensorflow_imported().convert_to_tensor(grad)
     return keras.ops.reshape(keras.ops.convert_to_tensor(grad), (-1,))
+
+
+def unravel(flat, shape):
+    """Flat indices to ``(k, ndim)`` indices, with ``keras.ops`` that XLA compiles.
+
+    The arithmetic runs in the dtype of ``flat``: int64 indices (variables of
+    2**31 elements or more) never wrap around.
+    """
+    if len(shape) <= 1:
+        return ops.expand_dims(flat, 1)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    strides.reverse()
+    dtype = ops.dtype(flat)
+    return ops.stack([(flat // ops.cast(s, dtype)) % ops.cast(d, dtype) for s, d in zip(strides, shape)], axis=1)
 
 
 def assign(var, value):
@@ -133,8 +126,6 @@ def scatter_write(variable, flat_index, values) -> tuple:
     which needs no index arithmetic (XLA updates a donated buffer in place).
     """
     if tensorflow() is not None:
-        from finefreeze._enforce.enforcer import unravel
-
         return (variable, _tf_scatter, (unravel(flat_index, tuple(int(d) for d in variable.shape)), values))
     return (variable, _functional_scatter, (flat_index, values))
 
@@ -165,8 +156,6 @@ def write_all(writes) -> None:
     if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
         tf.__internal__.distribute.interim.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
         return
-    from finefreeze._backends.distribute import owner_scope
-
     with owner_scope(tf_vars):  # e.g. finalize_variable_values after fit, outside the scope
         merged(tf.distribute.get_strategy(), *args)
 

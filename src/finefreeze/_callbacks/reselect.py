@@ -7,8 +7,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.gradients import need_gradients
-from finefreeze._backends.variables import to_numpy
 from finefreeze._errors import PlanError
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train

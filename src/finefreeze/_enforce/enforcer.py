@@ -31,25 +31,9 @@ from typing import Any
 from keras import ops
 
 from finefreeze._backends.variables import assign, current, flat_dense, scatter_write, select_frozen_to_zero, snapshot
+from finefreeze._kinds import Kind
 
-__all__ = ["Enforcer", "unravel"]
-
-
-def unravel(flat, shape):
-    """Flat indices to ``(k, ndim)`` indices, with ``keras.ops`` that XLA compiles.
-
-    The arithmetic runs in the dtype of ``flat``: int64 indices (variables of
-    2**31 elements or more) never wrap around.
-    """
-    if len(shape) <= 1:
-        return ops.expand_dims(flat, 1)
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= d
-    strides.reverse()
-    dtype = ops.dtype(flat)
-    return ops.stack([(flat // ops.cast(s, dtype)) % ops.cast(d, dtype) for s, d in zip(strides, shape)], axis=1)
+__all__ = ["Enforcer"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,11 +54,11 @@ class Enforcer:
 
     @property
     def inner_variable(self):
-        return self.shadow if self.kind == "compact" else self.variable
+        return self.shadow if self.kind == Kind.COMPACT else self.variable
 
     # -- hooks -------------------------------------------------------------
     def needs_snapshot(self) -> bool:
-        return self.kind == "restore" or self.scale is not None
+        return self.kind == Kind.RESTORE or self.scale is not None
 
     def prepare(self, grad, writes: list):
         """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps).
@@ -82,20 +66,20 @@ class Enforcer:
         Writes the step needs before the inner update are appended to
         ``writes`` (see :func:`finefreeze._backends.variables.write_all`).
         """
-        if self.kind == "compact":
+        if self.kind == Kind.COMPACT:
             idx = self.index.value
             values = ops.take(ops.reshape(snapshot(self.variable), (-1,)), idx, axis=0)
             writes.append((self.shadow, assign, (values,)))
             g = None if grad is None else ops.take(flat_dense(grad), idx, axis=0)
             return g, (values if self.scale is not None else None)
         old = snapshot(self.variable) if self.needs_snapshot() else None
-        if grad is None or self.kind == "train":
+        if grad is None or self.kind == Kind.TRAIN:
             return grad, old
         return select_frozen_to_zero(self.mask.value, grad), old
 
     def finish(self, old, writes: list):
         """Append the writes that put the model variable right after the inner update."""
-        if self.kind == "compact":
+        if self.kind == Kind.COMPACT:
             new = self.shadow.value
             if old is not None:
                 new = old + ops.cast(self.scale.value, ops.dtype(new)) * (new - old)
@@ -106,6 +90,6 @@ class Enforcer:
         cur = current(self.variable)
         if self.scale is not None:
             cur = old + ops.cast(self.scale.value, ops.dtype(cur)) * (cur - old)
-        if self.kind == "restore":
+        if self.kind == Kind.RESTORE:
             cur = ops.where(self.mask.value, old, cur)
         writes.append((self.variable, assign, (cur,)))

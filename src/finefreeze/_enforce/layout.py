@@ -26,81 +26,21 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze._enforce.policy import choose_kind, compact_refusal, sparse_gradients
 from finefreeze._errors import PlanError
+from finefreeze._kinds import KINDS, Kind
 from finefreeze._resolve.masks import ElementMask
 from finefreeze._resolve.resolve import FROZEN, TRAINABLE, UNTRAINED, Resolution
 from finefreeze._resolve.targets import match_path, var_path
 
 __all__ = [
-    "AUTO_COMPACT_AT_MOST",
-    "ELEMENTWISE",
-    "KINDS",
-    "STRATEGIES",
     "Layout",
     "VarLayout",
-    "compact_refusal",
     "refuse_unknown",
-    "index_dtype",
 ]
 
-STRATEGIES = ("auto", "restore", "compact", "mask")
-KINDS = ("train", "frozen", "restore", "compact", "mask")
-LAYOUT_VERSION = 2
-
-#: ``auto`` picks ``compact`` when at most this fraction of a partially frozen
-#: variable's elements train (and the optimizer is elementwise), else
-#: ``restore``. Measured crossover of step time (docs/benchmarks.md, MLP,
-#: graph mode): compact 0.97 vs restore 1.06 at 1 %, 1.03 vs 1.05 at 5 %,
-#: 1.17 vs 1.06 at 10 %. The same crossover on ResNet50, EfficientNetB0 and a
-#: transformer (benchmarks/real_models.py): compact faster at 1 %, as fast at
-#: 5 %, slower at 20 %; so one rule for every layer kind.
-AUTO_COMPACT_AT_MOST = 0.05
-
-#: Keras optimizers whose update of an element depends only on that element's
-#: gradient, value and state (plus global scalars such as ``iterations``), so
-#: that updating a flat vector of some elements equals updating the whole
-#: variable. Exact classes: a subclass may override ``update_step``. Not here:
-#: Lamb (trust ratio per tensor), Adafactor (factored row/column moments, RMS
-#: clipping), Muon (Newton-Schulz on matrices), ScheduleFreeAdamW (kept out as
-#: its state starts as a copy of the variable), MultiOptimizer (routes by the
-#: model variable's path).
-ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion"})
-
-
-def _is_elementwise(opt) -> bool:
-    import keras
-
-    cls = type(opt)
-    keras_cls = getattr(keras.optimizers, cls.__name__, None)
-    if cls.__name__ not in ELEMENTWISE or keras_cls is None:
-        return False
-    # On PyTorch, Keras builds its own subclass of the same maths (torch_adam.Adam, ...).
-    return cls is keras_cls or (cls.__module__.startswith("keras.src.backend.") and issubclass(cls, keras_cls))
-
-
-def compact_refusal(opt) -> str | None:
-    """Why ``compact`` would change ``opt``'s maths, or None when it would not.
-
-    Args:
-        opt: the inner optimizer, or None (unknown: assumed elementwise).
-    """
-    if opt is None or _is_elementwise(opt):
-        return None
-    name = type(opt).__name__
-    why = {
-        "Lamb": "its trust ratio is a per-tensor norm",
-        "Adafactor": "it factors second moments over rows and columns and clips by a tensor's RMS",
-        "Muon": "it orthogonalizes whole matrices",
-        "ScheduleFreeAdamW": "its state starts as a copy of the whole variable",
-        "MultiOptimizer": "it routes each model variable by its path",
-    }.get(name, "finefreeze does not know its update to be elementwise")
-    return f"{name}: {why}"
-
-
-def index_dtype(size: int) -> str:
-    """The integer dtype of flat indices into a variable of ``size`` elements."""
-    return "int32" if size <= np.iinfo(np.int32).max + 1 else "int64"
-
+#: 3 saves each variable's kind under "kind"; 2 (release 0.1) under "strategy"; 1 listed frozen paths only
+LAYOUT_VERSION = 3
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class VarLayout:
@@ -130,62 +70,15 @@ class VarLayout:
     @property
     def enforced(self) -> bool:
         """Elements frozen inside the variable: ``restore``, ``compact`` or ``mask``."""
-        return self.kind in ("restore", "compact", "mask")
+        return KINDS[self.kind].enforced
 
     def to_config(self) -> dict:
-        entry = {"path": self.path, "strategy": self.kind, "shape": list(self.shape)}
+        entry = {"path": self.path, "kind": self.kind, "shape": list(self.shape)}
         if self.enforced:
             entry["n_trainable"] = int(self.n_trainable)
-        if self.kind != "frozen":
+        if self.kind != Kind.FROZEN:
             entry["lr_scale"] = "per-element" if self.per_element_scale else float(self.scale)
         return entry
-
-
-def _sparse_gradients(owner) -> bool:
-    """Whether the variable's gradient arrives sparse (TensorFlow embeddings: ``IndexedSlices``).
-
-    Keras optimizers update such variables on their sparse path (only the
-    touched rows' state moves); ``compact`` would hand them a dense vector.
-    """
-    import keras
-
-    return keras.backend.backend() == "tensorflow" and isinstance(owner, keras.layers.Embedding)
-
-
-def _no_int64(size: int) -> bool:
-    """Whether flat indices into ``size`` elements need int64 and the backend has no int64 (JAX without x64)."""
-    import keras
-
-    if index_dtype(size) != "int64" or keras.backend.backend() != "jax":
-        return False
-    import jax
-
-    return not jax.config.jax_enable_x64
-
-
-def _kind(strategy: str, n_trainable: int, size: int, variable, inner, sparse: bool = False, path: str = "") -> str:
-    """The concrete strategy of one partially frozen variable.
-
-    Raises:
-        PlanError: explicit ``compact`` of a variable of 2**31 elements or more on JAX without x64.
-    """
-    if strategy == "auto":
-        small = n_trainable <= AUTO_COMPACT_AT_MOST * size
-        allowed = compact_refusal(inner) is None and not _constrained(variable) and not sparse
-        return "compact" if small and allowed and not _no_int64(size) else "restore"
-    if strategy == "compact" and _no_int64(size):
-        raise PlanError(
-            f"strategy='compact' on {path!r} ({size} elements) needs int64 flat indices, and JAX runs "
-            "without 64-bit integers: enable them before building the model "
-            "(jax.config.update('jax_enable_x64', True)) or use strategy='restore'."
-        )
-    if strategy == "compact" and _constrained(variable):
-        return "restore"  # a constraint acts on the whole variable
-    return strategy
-
-
-def _constrained(variable) -> bool:
-    return getattr(variable, "constraint", None) is not None
 
 
 def refuse_unknown(res: Resolution, var_list) -> None:
@@ -254,12 +147,12 @@ class Layout:
             shape = tuple(int(d) for d in s.info.shape)
             scale = s.lr_scales if s.lr_scales is not None else float(s.lr_scale)
             if kind in (FROZEN, UNTRAINED):
-                entry = VarLayout(s.path, shape, "frozen")
+                entry = VarLayout(s.path, shape, Kind.FROZEN)
             elif kind == TRAINABLE:
-                entry = VarLayout(s.path, shape, "train", None, s.info.size, scale)
+                entry = VarLayout(s.path, shape, Kind.TRAIN, None, s.info.size, scale)
             else:
-                sparse = _sparse_gradients(s.info.owner)
-                k = _kind(strategy, s.n_trainable, s.info.size, s.variable, inner, sparse, s.path)
+                sparse = sparse_gradients(s.info.owner)
+                k = choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, sparse, s.path)
                 entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale)
             pairs.append((s.variable, entry))
             if s.info.raw is not s.variable:
@@ -273,9 +166,9 @@ class Layout:
         Raises:
             PlanError: a variable of ``var_list`` is not in a version-2 layout.
         """
-        legacy = config.get("version", 1) < LAYOUT_VERSION
+        legacy = config.get("version", 1) < 2  # release 1 listed frozen variables only: the others train
         entries = {e["path"]: e for e in config["variables"]}
-        entries.update({p: {"path": p, "strategy": "frozen"} for p in config.get("frozen", ())})
+        entries.update({p: {"path": p, "kind": Kind.FROZEN} for p in config.get("frozen", ())})
         pairs = []
         for v in var_list:
             shape = tuple(int(d) for d in v.shape)
@@ -287,12 +180,12 @@ class Layout:
                         f"does not list (it lists {len(entries)} variables). Compile this model with an "
                         "optimizer from a Freezer of this model."
                     )
-                e = {"path": var_path(v), "strategy": "train"}
-            kind = e["strategy"]
+                e = {"path": var_path(v), "kind": Kind.TRAIN}
+            kind = e["kind"] if "kind" in e else e["strategy"]  # "strategy": layouts of versions 1 and 2
             scale = e.get("lr_scale", 1.0)
             if scale == "per-element":  # the values arrive with the optimizer variables on load
                 scale = np.ones(shape, np.float32)
-            n = e.get("n_trainable", int(np.prod(shape, dtype=np.int64)) if kind == "train" else 0)
+            n = e.get("n_trainable", int(np.prod(shape, dtype=np.int64)) if kind == Kind.TRAIN else 0)
             pairs.append((v, VarLayout(var_path(v), shape, kind, None, int(n), scale)))
         return cls(pairs, strategy, legacy)
 

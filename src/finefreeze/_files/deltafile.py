@@ -27,12 +27,13 @@ from typing import Any
 import numpy as np
 
 from finefreeze._errors import DeltaError
+from finefreeze._kinds import STATES
 
 __all__ = ["FORMAT", "write", "read", "encode_index", "decode_index", "stored_keys"]
 
 FORMAT = "finefreeze.delta/2"
 _V1 = "finefreeze.delta/1"
-KINDS = ("trainable", "untrained", "partial", "frozen")
+
 
 
 def _sha256(a: np.ndarray) -> str:
@@ -161,7 +162,7 @@ def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         needed = set()
         for p, info in variables.items():
             where = f"variable {p!r}"
-            if info["kind"] not in KINDS:
+            if info["kind"] not in STATES:
                 raise DeltaError(f"{where} has unknown kind {info['kind']!r}")
             np.dtype(info["dtype"])
             [int(n) for n in info["shape"]]

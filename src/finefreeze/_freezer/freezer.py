@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -11,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from finefreeze._backends.variables import to_numpy
-from finefreeze._enforce.layout import STRATEGIES, Layout
+from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.questions import tensorflow_imported
+from finefreeze._enforce.layout import Layout
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._freezer.keras_flags import flag_changes, set_layer_flags
+from finefreeze._kinds import STRATEGIES
 from finefreeze._plan.plan import Plan
 from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
 from finefreeze._resolve.targets import base_trainable, collect, remember_base
@@ -60,7 +61,7 @@ class Freezer:
     def __new__(cls, *args: Any, **kwargs: Any):
         # tf.compat.v1 graph targets get the Freezer of _graph.py (imported here: it subclasses this one)
         target = args[0] if args else kwargs.get("target")
-        if cls is Freezer and sys.modules.get("tensorflow") is not None:
+        if cls is Freezer and tensorflow_imported() is not None:
             from finefreeze._freezer.graph import GraphFreezer, is_graph_target
 
             if is_graph_target(target):

@@ -14,8 +14,9 @@ import re
 
 import numpy as np
 
-from finefreeze._backends.variables import to_numpy
+from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import PlanError
+from finefreeze._kinds import Kind
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import PARTIAL, resolve
@@ -34,7 +35,7 @@ def _saved_masks(opt) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | fl
     by_path = {e.path: e for e in opt._enforcers.ordered}
     for entry in opt.layout:
         enf = by_path.get(entry.path)
-        if entry.kind == "frozen" or enf is None:
+        if entry.kind == Kind.FROZEN or enf is None:
             out[entry.path] = ("frozen", None, 1.0)
             continue
         frozen = None
@@ -64,7 +65,7 @@ def masks_plan(opt) -> Plan:
     rules = []
     for path, (kind, frozen, scale) in _saved_masks(opt).items():
         sel = _exact(path)
-        if kind == "frozen":
+        if kind == Kind.FROZEN:
             rules.append(freeze(sel))
             continue
         trained = ~frozen if frozen is not None else None

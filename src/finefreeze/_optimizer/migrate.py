@@ -29,7 +29,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from finefreeze._backends.variables import to_numpy
+from finefreeze._backends.arrays import to_numpy
+from finefreeze._enforce.policy import family
 
 __all__ = [
     "StateMap",
@@ -42,11 +43,6 @@ __all__ = [
     "unbuild",
     "untrack",
 ]
-
-
-def family(opt) -> list:
-    """``opt`` and the sub-optimizers a ``MultiOptimizer`` holds."""
-    return [opt, *getattr(opt, "_inner_optimizers", [])]
 
 
 def constructor_variables(opt) -> set[int]:

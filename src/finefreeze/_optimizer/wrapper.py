@@ -21,57 +21,19 @@ import numpy as np
 from keras import ops
 from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
-from finefreeze._backends.variables import assign, eager_scope, flat_dense, tensorflow, to_numpy, write_all
+from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.questions import tensorflow
+from finefreeze._backends.variables import assign, eager_scope, flat_dense, write_all
 from finefreeze._enforce.enforcer import Enforcer
-from finefreeze._enforce.layout import STRATEGIES, Layout, VarLayout, index_dtype, refuse_unknown
+from finefreeze._enforce.layout import Layout, VarLayout, refuse_unknown
+from finefreeze._enforce.policy import family, index_dtype, inexact_reasons, zero_gradient_hazards
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
+from finefreeze._kinds import STRATEGIES, Kind
 from finefreeze._optimizer import migrate as _migrate
 from finefreeze._plan.plan import Plan
 from finefreeze._resolve.targets import remember_base, var_path
 
-__all__ = ["FreezingOptimizer", "inexact_reasons", "find_freezing_optimizer", "freezer_of"]
-
-
-def inexact_reasons(opt) -> list[str]:
-    """Why gradient masking alone would move frozen elements under ``opt``."""
-    reasons = []
-    if getattr(opt, "weight_decay", None):
-        reasons.append(f"weight_decay={opt.weight_decay}")
-    if getattr(opt, "use_ema", False):
-        reasons.append("use_ema=True")
-    name = type(opt).__name__
-    if name in ("SGD", "RMSprop"):
-        if getattr(opt, "momentum", 0.0):
-            reasons.append(f"momentum={opt.momentum}")
-    elif name not in ("Adagrad", "Adadelta"):
-        reasons.append(f"{name} keeps moving elements whose gradient is 0 (momentum or its own state)")
-    return reasons
-
-
-def zero_gradient_hazards(inner, layout: Layout) -> list[str]:
-    """Partially frozen variables whose exactly-zero gradients the inner optimizer turns into NaN.
-
-    Keras' Adafactor estimates an element's second moment as the product of
-    its row's (normalised by the mean row) and its column's, over the last
-    two axes. An element whose row and column both hold only frozen elements,
-    in a matrix that is not frozen whole, gets a product that underflows to
-    0, its update is 0/0, and the update clipping spreads the NaN over the
-    whole variable (in plain Keras too, with such gradients).
-    """
-    out = []
-    for o in _migrate.family(inner):
-        if type(o).__name__ != "Adafactor":
-            continue
-        for e in layout:
-            if e.kind not in ("restore", "mask") or e.mask is None or len(e.shape) < 2:
-                continue
-            frozen = e.mask.dense()
-            rows, cols = frozen.all(axis=-1), frozen.all(axis=-2)  # (..., R) and (..., C)
-            # a slice of the leading axes frozen whole is harmless: its row moments normalise to 1
-            whole = frozen.all(axis=(-2, -1))[..., None, None]
-            if (rows[..., :, None] & cols[..., None, :] & ~whole).any():
-                out.append(f"{e.path!r} (shape {e.shape})")
-    return out
+__all__ = ["FreezingOptimizer", "find_freezing_optimizer", "freezer_of"]
 
 
 class _Enforcers:
@@ -341,7 +303,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 continue
             seen.add(id(v))
             e = layout.get(v)
-            if e.kind == "frozen":
+            if e.kind == Kind.FROZEN:
                 frozen.add(id(v))
                 if self._saved_layout is not None and getattr(v, "trainable", False):
                     remember_base(v)  # Keras trains it; the plan freezes it
@@ -361,7 +323,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         safe = e.path.replace("/", ".")
         enf = Enforcer(e.path, v, e.kind, e.shape)
         loaded = e.mask is None and e.enforced  # values arrive with the optimizer variables on load
-        if e.kind == "compact":
+        if e.kind == Kind.COMPACT:
             dtype = index_dtype(e.size)
             idx = np.full((e.n_trainable,), -1, dtype) if loaded else e.mask.trainable_flat_indices().astype(dtype)
             enf.index = self.add_variable(
@@ -376,7 +338,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 initializer="zeros" if loaded else _const(_eager_values(v, idx)),
                 aggregation="none",
             )
-        elif e.kind in ("restore", "mask"):
+        elif e.kind in (Kind.RESTORE, Kind.MASK):
             dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
             enf.mask = self.add_variable(
                 shape=e.shape,
@@ -411,9 +373,9 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         # what Keras hands _use_weight_decay: the tf.Variable (named "kernel:0") on TensorFlow
         tf = tensorflow() is not None
         seen = lambda v: v.value if tf and isinstance(v, keras.Variable) else v  # noqa: E731
-        for o in _migrate.family(self.inner_optimizer):
+        for o in family(self.inner_optimizer):
             for e in enforcers.ordered:
-                if e.kind == "compact":
+                if e.kind == Kind.COMPACT:
                     o._use_weight_decay(seen(e.shadow))  # makes the cache exist
                     o._exclude_from_weight_decay_cache[o._var_key(e.shadow)] = o._use_weight_decay(seen(e.variable))
 
@@ -426,13 +388,13 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def _held(self, e: Enforcer) -> _migrate.Held:
         """The state of ``e``'s trained elements now."""
         return _migrate.snapshot(
-            self._enforcers.state, e.inner_variable, _elements(e, trained_only=True), e.kind == "compact"
+            self._enforcers.state, e.inner_variable, _elements(e, trained_only=True), e.kind == Kind.COMPACT
         )
 
     def _warn(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
         self.refuse_nan(layout)
-        if any(e.kind == "mask" for e in layout):
+        if any(e.kind == Kind.MASK for e in layout):
             reasons = inexact_reasons(self.inner_optimizer)
             if reasons and not self._mask_warned:
                 self._mask_warned = True
@@ -506,12 +468,12 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         todo = []
         for v in {id(v): v for v in list(var_list) + [e.variable for e in old.ordered]}.values():
             e = layout.get(v)
-            if e is None or e.kind == "frozen":
+            if e is None or e.kind == Kind.FROZEN:
                 if id(v) in old.by_id:
                     return None
                 continue
             enf = old.by_id.get(id(v))
-            if enf is None or enf.kind != e.kind or (e.kind == "compact" and enf.index.shape[0] != e.n_trainable):
+            if enf is None or enf.kind != e.kind or (e.kind == Kind.COMPACT and enf.index.shape[0] != e.n_trainable):
                 return None
             scale = _scale_value(e, enf)
             if (scale is None) != (enf.scale is None) or (
@@ -520,11 +482,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 return None
             todo.append((enf, e, scale))
         for enf, e, scale in todo:
-            if enf.kind in ("restore", "mask") and not np.array_equal(to_numpy(enf.mask), e.mask.dense()):
+            if enf.kind in (Kind.RESTORE, Kind.MASK) and not np.array_equal(to_numpy(enf.mask), e.mask.dense()):
                 held = self._held(enf)
                 enf.mask.assign(e.mask.dense())
                 self._carry(enf, held)
-            elif enf.kind == "compact" and not np.array_equal(to_numpy(enf.index), e.mask.trainable_flat_indices()):
+            elif enf.kind == Kind.COMPACT and not np.array_equal(to_numpy(enf.index), e.mask.trainable_flat_indices()):
                 held = self._held(enf)
                 enf.index.assign(e.mask.trainable_flat_indices().astype(enf.index.dtype))
                 self._carry(enf, held)
@@ -550,7 +512,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     def begin_change(self):
         """What :meth:`undo_change` needs to undo a :meth:`commit_change`."""
-        members = [self, *_migrate.family(self.inner_optimizer)]
+        members = [self, *family(self.inner_optimizer)]
         dicts = [(o, dict(vars(o)), list(o._variables)) for o in members]
         masks = [(w, to_numpy(w).copy()) for w in self._variables if id(w) in self._enforcers.own_variables()]
         state = [(w, to_numpy(w).copy()) for ws in self._enforcers.state.per_element.values() for _, w, _ in ws]
@@ -605,11 +567,11 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             if ig is not None:
                 inner_g.append(ig)
                 inner_v.append(e.inner_variable)
-            if e.kind != "train" or ctx is not None:
+            if e.kind != Kind.TRAIN or ctx is not None:
                 pending.append((e, ctx))
         if all_steps:
             for e in enf.ordered:
-                if e.kind in ("restore", "compact") and id(e.variable) not in seen:
+                if e.kind in (Kind.RESTORE, Kind.COMPACT) and id(e.variable) not in seen:
                     pending.append((e, e.prepare(None, writes)[1]))
         write_all(writes)
         if self.track_gradient_norms:
@@ -632,10 +594,10 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 continue
             g = ops.cast(flat_dense(g), "float32")
             total = ops.sum(ops.square(g))
-            if e.kind == "train":
+            if e.kind == Kind.TRAIN:
                 tn += total
                 continue
-            if e.kind == "compact":
+            if e.kind == Kind.COMPACT:
                 trained = ops.sum(ops.square(ops.take(g, e.index.value, axis=0)))
             else:
                 trained = ops.sum(ops.square(ops.where(ops.reshape(e.mask.value, (-1,)), ops.zeros_like(g), g)))
@@ -649,7 +611,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
             return
         writes = []
-        pending = [(e, e.prepare(None, writes)[1]) for e in self._enforcers.ordered if e.kind in ("restore", "compact")]
+        pending = [(e, e.prepare(None, writes)[1]) for e in self._enforcers.ordered if e.kind in (Kind.RESTORE, Kind.COMPACT)]
         write_all(writes)
         self.inner_optimizer.finalize_variable_values(self.inner_optimizer._trainable_variables)
         writes = []
@@ -695,7 +657,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
 def _elements(e: Enforcer, trained_only: bool) -> np.ndarray:
     """Flat indices of the model elements behind an enforcer's per-element state, in state order."""
-    if e.kind == "compact":
+    if e.kind == Kind.COMPACT:
         return to_numpy(e.index).astype(np.int64)
     idx = np.arange(int(np.prod(e.shape, dtype=np.int64)))
     if trained_only and e.mask is not None:
@@ -707,7 +669,7 @@ def _scale_value(e: VarLayout, enf: Enforcer) -> np.ndarray | None:
     """The lr_scale values an enforcer holds: None (all 1), a scalar, or one per inner element."""
     if not e.per_element_scale:
         return None if e.scale == 1.0 else np.asarray(e.scale, np.float32)
-    if enf.kind == "compact":
+    if enf.kind == Kind.COMPACT:
         if e.mask is None:
             return np.ones((e.n_trainable,), np.float32)
         return e.scale.reshape(-1)[e.mask.trainable_flat_indices()].astype(np.float32)

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from finefreeze._backends.questions import is_module, is_variable
 from finefreeze._errors import PlanError
 
 __all__ = ["Selector", "to_selector", "glob_to_regex", "match_all"]
@@ -195,30 +196,6 @@ def _var_path(v) -> str:
     return getattr(v, "name", "?").split(":")[0]
 
 
-def _is_variable(obj) -> bool:
-    import keras
-
-    if isinstance(obj, keras.Variable):
-        return True
-    try:
-        import tensorflow as tf
-    except ImportError:  # pragma: no cover - TF missing
-        return False
-    return isinstance(obj, tf.Variable)
-
-
-def _is_module(obj) -> bool:
-    import keras
-
-    if isinstance(obj, keras.layers.Layer):
-        return True
-    try:
-        import tensorflow as tf
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(obj, tf.Module)
-
-
 def to_selector(selector) -> tuple[Selector, str | None]:
     """Normalise a user selector; return the predicate and any index suffix.
 
@@ -239,9 +216,9 @@ def to_selector(selector) -> tuple[Selector, str | None]:
         return LayerClass(name), None
     if isinstance(selector, type):
         return LayerClass(selector), None
-    if _is_variable(selector):
+    if is_variable(selector):
         return VariableSel(selector), None
-    if _is_module(selector):
+    if is_module(selector):
         return Instance(selector), None
     if callable(selector):
         return CallableSel(selector), None

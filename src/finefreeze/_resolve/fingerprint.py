@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
+from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.read import read
-from finefreeze._backends.variables import to_numpy
 from finefreeze._errors import FrozenValueChanged
 
 __all__ = ["Fingerprint", "take", "BLOCK"]

@@ -7,9 +7,9 @@ and the trainable state it had before any Freezer touched it.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
+from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._errors import PlanError
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
 
@@ -41,8 +41,6 @@ def match_path(path: str, by_path: dict, what: str = "variable"):
         return by_path[path]
     near = [k for k in by_path if k.endswith("/" + path) or path.endswith("/" + k)]
     if len(near) > 1:
-        from finefreeze._errors import PlanError
-
         raise PlanError(f"{what} {path!r} matches several entries ({', '.join(near)}); give layers unique names.")
     return by_path[near[0]] if near else None
 
@@ -137,11 +135,6 @@ def _shape_dtype(v):
     return shape, dt if isinstance(dt, str) else (getattr(dt, "name", None) or str(dt))
 
 
-def _tf():
-    """``tensorflow`` if it is imported, else None: a tf.Module or tf.Variable cannot exist without it."""
-    return sys.modules.get("tensorflow")
-
-
 def collect(target) -> Target:
     """Build a :class:`Target` from a Keras layer/model, tf.Module or list.
 
@@ -155,7 +148,7 @@ def collect(target) -> Target:
     elif isinstance(target, (list, tuple)):
         t = _collect_list(target)
     else:
-        tf = _tf()
+        tf = tensorflow_imported()
         if tf is not None and isinstance(target, tf.Module):
             t = _collect_module(target)
         else:
@@ -234,7 +227,7 @@ def _collect_list(variables) -> Target:
         if isinstance(v, keras.Variable):
             raw, is_keras = v.value, True
         else:
-            tf = tf or _tf()
+            tf = tf or tensorflow_imported()
             if tf is None or not isinstance(v, tf.Variable):
                 raise PlanError(
                     f"target list item {i} is a {type(v).__name__}, not a variable; "
@@ -251,7 +244,7 @@ def _collect_list(variables) -> Target:
 
 
 def _collect_module(module) -> Target:
-    tf = _tf()
+    tf = tensorflow_imported()
     import keras
 
     pairs = module._flatten(predicate=lambda x: isinstance(x, (tf.Variable, keras.Variable)), with_path=True)

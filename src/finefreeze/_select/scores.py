@@ -10,14 +10,14 @@ for every Keras backend; how a gradient is taken (``tf.GradientTape``,
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 
 import keras
 import numpy as np
 
 from finefreeze._backends import gradients as _gradients
-from finefreeze._backends.variables import to_numpy
+from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._errors import PlanError
 
 __all__ = ["SCORES", "batches", "loss_function", "stream_scores", "static_score"]
@@ -72,7 +72,7 @@ def batches(data, *, batch_size: int, limit: int | None) -> tuple[Iterator, int 
             f"got {type(data).__name__}."
         )
     total = None
-    tf = sys.modules.get("tensorflow")  # a tf.data.Dataset exists only once TensorFlow is imported
+    tf = tensorflow_imported()  # a tf.data.Dataset exists only once TensorFlow is imported
     if tf is not None and isinstance(data, tf.data.Dataset):
         card = int(data.cardinality())
         total = card if card >= 0 else None
