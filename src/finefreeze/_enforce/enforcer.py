@@ -28,12 +28,36 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import keras
+import numpy as np
 from keras import ops
+from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
-from finefreeze._backends.variables import assign, current, flat_dense, scatter_write, select_frozen_to_zero, snapshot
+from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.questions import tensorflow
+from finefreeze._backends.variables import (
+    assign,
+    current,
+    eager_scope,
+    flat_dense,
+    scatter_write,
+    select_frozen_to_zero,
+    snapshot,
+)
+from finefreeze._enforce.layout import VarLayout
+from finefreeze._enforce.policy import family, index_dtype
 from finefreeze._kinds import Kind
+from finefreeze._resolve.targets import remember_base
 
-__all__ = ["Enforcer"]
+__all__ = [
+    "Enforcer",
+    "Enforcers",
+    "decay_compact_like_its_variable",
+    "elements",
+    "make_enforcer",
+    "make_enforcers",
+    "scale_value",
+]
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,3 +117,141 @@ class Enforcer:
         if self.kind == Kind.RESTORE:
             cur = ops.where(self.mask.value, old, cur)
         writes.append((self.variable, assign, (cur,)))
+
+
+class Enforcers:
+    """Plain container so model variables are never tracked by the optimizer."""
+
+    def __init__(self, ordered=(), frozen_ids=(), state=None):
+        self.ordered: list[Enforcer] = list(ordered)
+        self.by_id: dict[int, Enforcer] = {id(e.variable): e for e in self.ordered}
+        self.frozen_ids: set[int] = set(frozen_ids)
+        self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
+        self.state = state  # the inner optimizer's state by variable (optimizer.migrate.StateMap)
+
+    def own_variables(self) -> set[int]:
+        return {id(w) for e in self.ordered for w in (e.mask, e.index, e.shadow, e.scale) if w is not None}
+
+
+def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
+    """The enforcer of one trainable or partially frozen variable, with its optimizer variables.
+
+    ``add_variable`` is the optimizer's: the enforcer's variables are the optimizer's own.
+    """
+    safe = e.path.replace("/", ".")
+    enf = Enforcer(e.path, v, e.kind, e.shape)
+    loaded = e.mask is None and e.enforced  # values arrive with the optimizer variables on load
+    if e.kind == Kind.COMPACT:
+        dtype = index_dtype(e.size)
+        idx = np.full((e.n_trainable,), -1, dtype) if loaded else e.mask.trainable_flat_indices().astype(dtype)
+        enf.index = add_variable(
+            shape=idx.shape, dtype=dtype, name=f"{safe}.index", initializer=_const(idx), aggregation="none"
+        )
+        # Starts as the trainable values (optimizers may read it in build) and
+        # is refilled from the model variable at every step (gather).
+        enf.shadow = add_variable(
+            shape=idx.shape,
+            dtype=v.dtype,
+            name=f"{safe}.compact",
+            initializer="zeros" if loaded else _const(_eager_values(v, idx)),
+            aggregation="none",
+        )
+    elif e.kind in (Kind.RESTORE, Kind.MASK):
+        dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
+        enf.mask = add_variable(
+            shape=e.shape,
+            dtype="bool",
+            name=f"{safe}.frozen_mask",
+            initializer=_const(dense),
+            aggregation="none",
+            layout=getattr(v, "_layout", None),  # sharded like the variable (keras.distribution)
+        )
+    scale = scale_value(e, enf)
+    if scale is not None:
+        enf.scale = add_variable(
+            shape=scale.shape,
+            dtype="float32",
+            name=f"{safe}.lr_scale",
+            initializer=_const(scale),
+            aggregation="none",
+            # one scale per element: sharded like the variable; a scalar: replicated
+            layout=getattr(v, "_layout", None) if scale.shape == tuple(e.shape) and scale.ndim else None,
+        )
+    return enf
+
+
+def elements(e: Enforcer, trained_only: bool) -> np.ndarray:
+    """Flat indices of the model elements behind an enforcer's per-element state, in state order."""
+    if e.kind == Kind.COMPACT:
+        return to_numpy(e.index).astype(np.int64)
+    idx = np.arange(int(np.prod(e.shape, dtype=np.int64)))
+    if trained_only and e.mask is not None:
+        idx = idx[~to_numpy(e.mask).reshape(-1)]
+    return idx
+
+
+def scale_value(e: VarLayout, enf: Enforcer) -> np.ndarray | None:
+    """The lr_scale values an enforcer holds: None (all 1), a scalar, or one per inner element."""
+    if not e.per_element_scale:
+        return None if e.scale == 1.0 else np.asarray(e.scale, np.float32)
+    if enf.kind == Kind.COMPACT:
+        if e.mask is None:
+            return np.ones((e.n_trainable,), np.float32)
+        return e.scale.reshape(-1)[e.mask.trainable_flat_indices()].astype(np.float32)
+    return e.scale.astype(np.float32)
+
+
+def _eager_values(variable, idx: np.ndarray) -> np.ndarray:
+    """The variable's elements at flat ``idx``, read eagerly even while a train function is traced."""
+    with eager_scope():
+        return np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[idx]
+
+
+def _const(value):
+    value = np.asarray(value)
+
+    def init(shape, dtype=None):
+        return value.reshape(shape)
+
+    return init
+
+
+@_no_tracking
+def make_enforcers(add_variable, layout, var_list, saved: bool) -> Enforcers:
+    """The enforcers of every variable of ``var_list`` that trains at all; ``saved``: the layout came from a file.
+
+    Made without Keras' dependency tracking: the optimizer must never track model variables.
+    """
+    ordered, frozen, seen = [], set(), set()
+    for v in var_list:
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        e = layout.get(v)
+        if e.kind == Kind.FROZEN:
+            frozen.add(id(v))
+            if saved and getattr(v, "trainable", False):
+                remember_base(v)  # Keras trains it; the plan freezes it
+                v.trainable = False  # per-variable flags are not saved in .keras files
+            continue
+        ordered.append(make_enforcer(add_variable, v, e))
+    return Enforcers(ordered, frozen)
+
+
+def decay_compact_like_its_variable(inner, enforcers: Enforcers) -> None:
+    """A compact vector gets weight decay exactly when its model variable would.
+
+    Keras decides per variable (``_use_weight_decay``: excluded ids, then
+    name patterns) and caches the answer by variable key; the vector's
+    entry is set to the model variable's answer, so neither an anchored
+    pattern (``"^kernel$"``) nor one that happens to match the vector's
+    own name changes the maths.
+    """
+    # what Keras hands _use_weight_decay: the tf.Variable (named "kernel:0") on TensorFlow
+    tf = tensorflow() is not None
+    seen = lambda v: v.value if tf and isinstance(v, keras.Variable) else v  # noqa: E731
+    for o in family(inner):
+        for e in enforcers.ordered:
+            if e.kind == Kind.COMPACT:
+                o._use_weight_decay(seen(e.shadow))  # makes the cache exist
+                o._exclude_from_weight_decay_cache[o._var_key(e.shadow)] = o._use_weight_decay(seen(e.variable))

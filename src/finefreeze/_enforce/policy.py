@@ -31,6 +31,7 @@ __all__ = [
     "index_dtype",
     "inexact_reasons",
     "is_elementwise",
+    "refuse_nan",
     "sparse_gradients",
     "zero_gradient_hazards",
 ]
@@ -183,3 +184,20 @@ def zero_gradient_hazards(inner, layout) -> list[str]:
     return out
 
 
+def refuse_nan(inner, layout) -> None:
+    """Refuse a layout the inner optimizer would turn into NaN.
+
+    Raises:
+        PlanError: Keras' Adafactor with a partially frozen matrix that has a
+            fully frozen row and a fully frozen column.
+    """
+    hazards = zero_gradient_hazards(inner, layout)
+    if hazards:
+        raise PlanError(
+            f"Adafactor would turn training into NaN with {', '.join(hazards)}: these variables have a row "
+            "and a column (over their last two axes) whose elements are all frozen, in a matrix that is not "
+            "frozen whole; Keras' Adafactor factors second moments over rows and columns, the moment of "
+            "such an element underflows to 0 and its update is 0/0 (plain Keras does the same with such "
+            "gradients). Freeze those variables (or those matrices) whole, train at least one element in "
+            "every row or column, or use another optimizer (Adam, AdamW, Lion)."
+        )

@@ -17,37 +17,21 @@ import warnings
 import weakref
 
 import keras
-import numpy as np
 from keras import ops
-from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
-from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.questions import tensorflow
-from finefreeze._backends.variables import assign, eager_scope, flat_dense, write_all
-from finefreeze._enforce.enforcer import Enforcer
-from finefreeze._enforce.layout import Layout, VarLayout, refuse_unknown
-from finefreeze._enforce.policy import family, index_dtype, inexact_reasons, zero_gradient_hazards
+from finefreeze._backends.variables import write_all
+from finefreeze._enforce.enforcer import Enforcers, decay_compact_like_its_variable, make_enforcers
+from finefreeze._enforce.layout import Layout, refuse_unknown
+from finefreeze._enforce.policy import inexact_reasons, refuse_nan
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._kinds import STRATEGIES, Kind
+from finefreeze._optimizer import change, norms
 from finefreeze._optimizer import migrate as _migrate
 from finefreeze._plan.plan import Plan
-from finefreeze._resolve.targets import remember_base, var_path
+from finefreeze._resolve.targets import var_path
 
 __all__ = ["FreezingOptimizer", "find_freezing_optimizer", "freezer_of"]
-
-
-class _Enforcers:
-    """Plain container so model variables are never tracked by the optimizer."""
-
-    def __init__(self, ordered=(), frozen_ids=()):
-        self.ordered: list[Enforcer] = list(ordered)
-        self.by_id: dict[int, Enforcer] = {id(e.variable): e for e in self.ordered}
-        self.frozen_ids: set[int] = set(frozen_ids)
-        self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
-        self.state = _migrate.StateMap({}, {}, [])
-
-    def own_variables(self) -> set[int]:
-        return {id(w) for e in self.ordered for w in (e.mask, e.index, e.shadow, e.scale) if w is not None}
 
 
 @keras.saving.register_keras_serializable(package="finefreeze")
@@ -156,7 +140,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._layout: Layout | None = layout
         self._saved_layout = saved_layout
         self._inner_base = _migrate.constructor_variables(inner_optimizer)
-        self._enforcers = _Enforcers()
+        self._enforcers = Enforcers(state=_migrate.StateMap({}, {}, []))
         self._mask_warned = False
         self._freezer_ref = None
         self._freezer_strong = None
@@ -246,7 +230,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         """
         if not self._enforcers.norms or not self._norms_recorded:
             return None
-        return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in self._enforcers.norms)
+        return norms.read(self._enforcers.norms)
 
     # -- building ------------------------------------------------------------
     def _layout_for(self, var_list) -> Layout:
@@ -285,111 +269,16 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
 
     def _install(self, layout: Layout, var_list, held: dict) -> None:
         """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state."""
-        enforcers = self._make_enforcers(layout, var_list)
+        enforcers = make_enforcers(self.add_variable, layout, var_list, saved=self._saved_layout is not None)
+        enforcers.norms = norms.variables()  # optimizer variables only while FreezeBoard tracks them
         # outside the no-tracking scope: the inner optimizer tracks what it makes
         # (Nadam's u_product is an attribute, not an add_variable)
         enforcers.state = _migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
-        self._decay_compact_like_its_variable(enforcers)
+        decay_compact_like_its_variable(self.inner_optimizer, enforcers)
         self._enforcers = enforcers
         if held:  # a plan change; a first build starts as Keras does
             for e in enforcers.ordered:
-                self._carry(e, held.get(id(e.variable)))
-
-    @_no_tracking
-    def _make_enforcers(self, layout: Layout, var_list) -> _Enforcers:
-        ordered, frozen, seen = [], set(), set()
-        for v in var_list:
-            if id(v) in seen:
-                continue
-            seen.add(id(v))
-            e = layout.get(v)
-            if e.kind == Kind.FROZEN:
-                frozen.add(id(v))
-                if self._saved_layout is not None and getattr(v, "trainable", False):
-                    remember_base(v)  # Keras trains it; the plan freezes it
-                    v.trainable = False  # per-variable flags are not saved in .keras files
-                continue
-            ordered.append(self._make_enforcer(v, e))
-        out = _Enforcers(ordered, frozen)
-        # optimizer variables only while FreezeBoard tracks them (see `variables`); never saved
-        out.norms = tuple(
-            keras.Variable(0.0, dtype="float32", trainable=False, name=n, aggregation="only_first_replica")
-            for n in ("grad_norm_trainable", "grad_norm_frozen")
-        )
-        return out
-
-    def _make_enforcer(self, v, e: VarLayout) -> Enforcer:
-        """The enforcer of one trainable or partially frozen variable, with its optimizer variables."""
-        safe = e.path.replace("/", ".")
-        enf = Enforcer(e.path, v, e.kind, e.shape)
-        loaded = e.mask is None and e.enforced  # values arrive with the optimizer variables on load
-        if e.kind == Kind.COMPACT:
-            dtype = index_dtype(e.size)
-            idx = np.full((e.n_trainable,), -1, dtype) if loaded else e.mask.trainable_flat_indices().astype(dtype)
-            enf.index = self.add_variable(
-                shape=idx.shape, dtype=dtype, name=f"{safe}.index", initializer=_const(idx), aggregation="none"
-            )
-            # Starts as the trainable values (optimizers may read it in build) and
-            # is refilled from the model variable at every step (gather).
-            enf.shadow = self.add_variable(
-                shape=idx.shape,
-                dtype=v.dtype,
-                name=f"{safe}.compact",
-                initializer="zeros" if loaded else _const(_eager_values(v, idx)),
-                aggregation="none",
-            )
-        elif e.kind in (Kind.RESTORE, Kind.MASK):
-            dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
-            enf.mask = self.add_variable(
-                shape=e.shape,
-                dtype="bool",
-                name=f"{safe}.frozen_mask",
-                initializer=_const(dense),
-                aggregation="none",
-                layout=getattr(v, "_layout", None),  # sharded like the variable (keras.distribution)
-            )
-        scale = _scale_value(e, enf)
-        if scale is not None:
-            enf.scale = self.add_variable(
-                shape=scale.shape,
-                dtype="float32",
-                name=f"{safe}.lr_scale",
-                initializer=_const(scale),
-                aggregation="none",
-                # one scale per element: sharded like the variable; a scalar: replicated
-                layout=getattr(v, "_layout", None) if scale.shape == tuple(e.shape) and scale.ndim else None,
-            )
-        return enf
-
-    def _decay_compact_like_its_variable(self, enforcers: _Enforcers) -> None:
-        """A compact vector gets weight decay exactly when its model variable would.
-
-        Keras decides per variable (``_use_weight_decay``: excluded ids, then
-        name patterns) and caches the answer by variable key; the vector's
-        entry is set to the model variable's answer, so neither an anchored
-        pattern (``"^kernel$"``) nor one that happens to match the vector's
-        own name changes the maths.
-        """
-        # what Keras hands _use_weight_decay: the tf.Variable (named "kernel:0") on TensorFlow
-        tf = tensorflow() is not None
-        seen = lambda v: v.value if tf and isinstance(v, keras.Variable) else v  # noqa: E731
-        for o in family(self.inner_optimizer):
-            for e in enforcers.ordered:
-                if e.kind == Kind.COMPACT:
-                    o._use_weight_decay(seen(e.shadow))  # makes the cache exist
-                    o._exclude_from_weight_decay_cache[o._var_key(e.shadow)] = o._use_weight_decay(seen(e.variable))
-
-    def _carry(self, e: Enforcer, held) -> None:
-        """Fresh state for elements that start training, ``held`` state for those that keep training."""
-        elements = _elements(e, trained_only=False)
-        values = to_numpy(e.variable).reshape(-1)[elements]
-        _migrate.carry(self._enforcers.state, e.inner_variable, elements, values, held)
-
-    def _held(self, e: Enforcer) -> _migrate.Held:
-        """The state of ``e``'s trained elements now."""
-        return _migrate.snapshot(
-            self._enforcers.state, e.inner_variable, _elements(e, trained_only=True), e.kind == Kind.COMPACT
-        )
+                change.carry(self, e, held.get(id(e.variable)))
 
     def _warn(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
@@ -407,22 +296,13 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 )
 
     def refuse_nan(self, layout: Layout) -> None:
-        """Refuse a layout the inner optimizer would turn into NaN.
+        """Refuse a layout the inner optimizer would turn into NaN (see ``policy.refuse_nan``).
 
         Raises:
             PlanError: Keras' Adafactor with a partially frozen matrix that has a
                 fully frozen row and a fully frozen column.
         """
-        hazards = zero_gradient_hazards(self.inner_optimizer, layout)
-        if hazards:
-            raise PlanError(
-                f"Adafactor would turn training into NaN with {', '.join(hazards)}: these variables have a row "
-                "and a column (over their last two axes) whose elements are all frozen, in a matrix that is not "
-                "frozen whole; Keras' Adafactor factors second moments over rows and columns, the moment of "
-                "such an element underflows to 0 and its update is 0/0 (plain Keras does the same with such "
-                "gradients). Freeze those variables (or those matrices) whole, train at least one element in "
-                "every row or column, or use another optimizer (Adam, AdamW, Lion)."
-            )
+        refuse_nan(self.inner_optimizer, layout)
 
     # -- changing the plan -------------------------------------------------------
     def prepare_change(self, resolution, var_list) -> Layout:
@@ -455,79 +335,20 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self._layout = layout
             return False
-        changed = self._in_place(layout, var_list)
-        if changed is not None:
+        if change.in_place(self, layout, var_list):
             self._layout = layout
             return False
-        self._rebuild(layout, var_list)
+        change.rebuild(self, layout, var_list)
         return True
-
-    def _in_place(self, layout: Layout, var_list):
-        """Write mask, index and scale changes into place if no enforcer changes shape or kind; else None."""
-        old = self._enforcers
-        todo = []
-        for v in {id(v): v for v in list(var_list) + [e.variable for e in old.ordered]}.values():
-            e = layout.get(v)
-            if e is None or e.kind == Kind.FROZEN:
-                if id(v) in old.by_id:
-                    return None
-                continue
-            enf = old.by_id.get(id(v))
-            if enf is None or enf.kind != e.kind or (e.kind == Kind.COMPACT and enf.index.shape[0] != e.n_trainable):
-                return None
-            scale = _scale_value(e, enf)
-            if (scale is None) != (enf.scale is None) or (
-                scale is not None and tuple(scale.shape) != tuple(enf.scale.shape)
-            ):
-                return None
-            todo.append((enf, e, scale))
-        for enf, e, scale in todo:
-            if enf.kind in (Kind.RESTORE, Kind.MASK) and not np.array_equal(to_numpy(enf.mask), e.mask.dense()):
-                held = self._held(enf)
-                enf.mask.assign(e.mask.dense())
-                self._carry(enf, held)
-            elif enf.kind == Kind.COMPACT and not np.array_equal(to_numpy(enf.index), e.mask.trainable_flat_indices()):
-                held = self._held(enf)
-                enf.index.assign(e.mask.trainable_flat_indices().astype(enf.index.dtype))
-                self._carry(enf, held)
-            if scale is not None:
-                enf.scale.assign(scale)
-        return True
-
-    def _rebuild(self, layout: Layout, var_list) -> None:
-        """New enforcers around the same inner optimizer, rebuilt in place; state carried by element."""
-        held = {id(e.variable): self._held(e) for e in self._enforcers.ordered}
-        others = {k: to_numpy(w) for k, w in _migrate.keyed(self._enforcers.state.other).items()}
-        ours = self._enforcers.own_variables()
-        _migrate.untrack(self, [w for w in self._variables if id(w) in ours])
-        _migrate.unbuild(self.inner_optimizer, self._inner_base)
-        self._layout = layout
-        with keras.name_scope(self.name, caller=self):
-            self._install(layout, var_list, held)
-        for k, w in _migrate.keyed(self._enforcers.state.other).items():
-            if k in others:
-                w.assign(others[k])  # Nadam's u_product and other global state
-        self._trainable_variables_indices = {}
-        keras.optimizers.Optimizer.build(self, list(var_list))
 
     def begin_change(self):
         """What :meth:`undo_change` needs to undo a :meth:`commit_change`."""
-        members = [self, *family(self.inner_optimizer)]
-        dicts = [(o, dict(vars(o)), list(o._variables)) for o in members]
-        masks = [(w, to_numpy(w).copy()) for w in self._variables if id(w) in self._enforcers.own_variables()]
-        state = [(w, to_numpy(w).copy()) for ws in self._enforcers.state.per_element.values() for _, w, _ in ws]
-        return dicts, masks + state
+        return change.begin(self)
 
     @staticmethod
-    def undo_change(undo) -> None:
+    def undo_change(saved) -> None:
         """Undo a :meth:`commit_change`: attributes, variable lists and values as they were."""
-        dicts, values = undo
-        for o, d, lst in dicts:
-            vars(o).clear()
-            vars(o).update(d)
-            _migrate.retrack(o, lst)
-        for w, value in values:
-            w.assign(value)
+        change.undo(saved)
 
     # -- applying ------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
@@ -575,7 +396,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                     pending.append((e, e.prepare(None, writes)[1]))
         write_all(writes)
         if self.track_gradient_norms:
-            self._record_norms(raw)
+            self._norms_recorded = True
+            norms.record(self._enforcers.norms, raw)
         if inner_g:
             self.inner_optimizer.apply(inner_g, inner_v)
         else:
@@ -584,28 +406,6 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         for e, ctx in pending:
             e.finish(ctx, writes)
         write_all(writes)
-
-    def _record_norms(self, raw):
-        """Norms of the raw gradient on trainable and on frozen elements."""
-        self._norms_recorded = True
-        tn, fn = ops.zeros(()), ops.zeros(())
-        for e, g in raw:
-            if g is None:
-                continue
-            g = ops.cast(flat_dense(g), "float32")
-            total = ops.sum(ops.square(g))
-            if e.kind == Kind.TRAIN:
-                tn += total
-                continue
-            if e.kind == Kind.COMPACT:
-                trained = ops.sum(ops.square(ops.take(g, e.index.value, axis=0)))
-            else:
-                trained = ops.sum(ops.square(ops.where(ops.reshape(e.mask.value, (-1,)), ops.zeros_like(g), g)))
-            tn += trained
-            fn += ops.maximum(total - trained, 0.0)
-        write_all(
-            [(self._enforcers.norms[0], assign, (ops.sqrt(tn),)), (self._enforcers.norms[1], assign, (ops.sqrt(fn),))]
-        )
 
     def finalize_variable_values(self, var_list):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
@@ -655,27 +455,6 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         )
 
 
-def _elements(e: Enforcer, trained_only: bool) -> np.ndarray:
-    """Flat indices of the model elements behind an enforcer's per-element state, in state order."""
-    if e.kind == Kind.COMPACT:
-        return to_numpy(e.index).astype(np.int64)
-    idx = np.arange(int(np.prod(e.shape, dtype=np.int64)))
-    if trained_only and e.mask is not None:
-        idx = idx[~to_numpy(e.mask).reshape(-1)]
-    return idx
-
-
-def _scale_value(e: VarLayout, enf: Enforcer) -> np.ndarray | None:
-    """The lr_scale values an enforcer holds: None (all 1), a scalar, or one per inner element."""
-    if not e.per_element_scale:
-        return None if e.scale == 1.0 else np.asarray(e.scale, np.float32)
-    if enf.kind == Kind.COMPACT:
-        if e.mask is None:
-            return np.ones((e.n_trainable,), np.float32)
-        return e.scale.reshape(-1)[e.mask.trainable_flat_indices()].astype(np.float32)
-    return e.scale.astype(np.float32)
-
-
 def find_freezing_optimizer(model) -> FreezingOptimizer | None:
     """The FreezingOptimizer compiled into ``model``, looking through wrappers such as LossScaleOptimizer."""
     opt = getattr(model, "optimizer", None)
@@ -702,16 +481,3 @@ def freezer_of(model, given, who: str):
     return frz
 
 
-def _eager_values(variable, idx: np.ndarray) -> np.ndarray:
-    """The variable's elements at flat ``idx``, read eagerly even while a train function is traced."""
-    with eager_scope():
-        return np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[idx]
-
-
-def _const(value):
-    value = np.asarray(value)
-
-    def init(shape, dtype=None):
-        return value.reshape(shape)
-
-    return init

@@ -1,0 +1,53 @@
+"""The gradient norms FreezeBoard shows: of the trainable part and of the part the plan blocked.
+
+A ``FreezingOptimizer`` holds two scalar variables (:func:`variables`); while
+its ``track_gradient_norms`` is on (FreezeBoard turns it on) every step
+writes them (:func:`record`), and ``gradient_norms()`` reads them
+(:func:`read`). They are optimizer variables only while tracked, never saved.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+from keras import ops
+
+from finefreeze._backends.variables import assign, flat_dense, write_all
+from finefreeze._kinds import Kind
+
+__all__ = ["read", "record", "variables"]
+
+
+def variables() -> tuple:
+    """The two norm variables, ``(trainable, frozen)``."""
+    return tuple(
+        keras.Variable(0.0, dtype="float32", trainable=False, name=n, aggregation="only_first_replica")
+        for n in ("grad_norm_trainable", "grad_norm_frozen")
+    )
+
+
+def read(norms) -> tuple[float, float]:
+    """The values of the norm variables."""
+    return tuple(float(np.asarray(keras.ops.convert_to_numpy(v))) for v in norms)
+
+
+def record(norms, raw) -> None:
+    """Write the norms of the raw gradient on trainable and on frozen elements into ``norms``."""
+    tn, fn = ops.zeros(()), ops.zeros(())
+    for e, g in raw:
+        if g is None:
+            continue
+        g = ops.cast(flat_dense(g), "float32")
+        total = ops.sum(ops.square(g))
+        if e.kind == Kind.TRAIN:
+            tn += total
+            continue
+        if e.kind == Kind.COMPACT:
+            trained = ops.sum(ops.square(ops.take(g, e.index.value, axis=0)))
+        else:
+            trained = ops.sum(ops.square(ops.where(ops.reshape(e.mask.value, (-1,)), ops.zeros_like(g), g)))
+        tn += trained
+        fn += ops.maximum(total - trained, 0.0)
+    write_all(
+        [(norms[0], assign, (ops.sqrt(tn),)), (norms[1], assign, (ops.sqrt(fn),))]
+    )
