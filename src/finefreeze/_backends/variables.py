@@ -29,6 +29,7 @@ from finefreeze._backends.questions import keras_is_jax, tensorflow, tensorflow_
 
 __all__ = [
     "current",
+    "own_buffers",
     "unravel",
     "eager_scope",
     "flat_dense",
@@ -164,3 +165,16 @@ def eager_scope():
     """A context where variable values can be read eagerly, even while TensorFlow traces a function."""
     tf = tensorflow()
     return tf.init_scope() if tf is not None else contextlib.nullcontext()
+
+
+def own_buffers(variables) -> None:
+    """Give each variable a buffer of its own after an overwrite that may have shared one (off TensorFlow).
+
+    The EMA overwrite (``finalize_variable_values``) makes each variable share
+    its buffer with its average; JAX's next train step donates both and fails
+    (plain Keras 3.15 too).
+    """
+    if tensorflow() is not None:
+        return
+    for v in variables:
+        v.assign(ops.copy(v.value))

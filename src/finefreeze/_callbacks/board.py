@@ -7,6 +7,11 @@ from typing import Any
 
 import keras
 
+from finefreeze._freezer.freezer import freezer_of
+from finefreeze._optimizer.wrapper import find_freezing_optimizer
+from finefreeze._report.events import EventWriter, require_tensorboard
+from finefreeze._report.maskview import frozen_fraction_image, to_rgb
+
 __all__ = ["FreezeBoard"]
 
 
@@ -61,7 +66,6 @@ class FreezeBoard(keras.callbacks.Callback):
         self, log_dir: str | os.PathLike, freezer: Any = None, *, update_freq: int = 1, images: str = "partial"
     ):
         super().__init__()
-        from finefreeze._report.events import require_tensorboard
 
         require_tensorboard("FreezeBoard")
         if images not in ("partial", "all"):
@@ -99,8 +103,6 @@ class FreezeBoard(keras.callbacks.Callback):
         Args:
             step: the step of the events; defaults to the optimizer's step.
         """
-        from finefreeze._report.maskview import frozen_fraction_image, to_rgb
-
         self._sync()
         frz = self._freezer_now
         step = self._step() if step is None else step
@@ -132,9 +134,6 @@ class FreezeBoard(keras.callbacks.Callback):
 
     # -- callback hooks ---------------------------------------------------------
     def on_train_begin(self, logs=None):
-        from finefreeze._optimizer.wrapper import find_freezing_optimizer, freezer_of
-        from finefreeze._report.events import EventWriter
-
         self._freezer_now = freezer_of(self.model, self._freezer, "FreezeBoard")
         self._opt = find_freezing_optimizer(self.model)
         self._writer = EventWriter(self.log_dir)

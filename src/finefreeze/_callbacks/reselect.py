@@ -13,7 +13,7 @@ from finefreeze._errors import PlanError
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._select.scores import stream_scores
-from finefreeze._select.select import _rule_selector, top_k
+from finefreeze._select.select import rule_selector, top_k
 
 __all__ = ["Reselect"]
 
@@ -99,7 +99,7 @@ class Reselect(keras.callbacks.Callback):
         need_gradients("gradient")
         self.freezer = _freezer_of(self.model, self._given)
         frz = self.freezer
-        frz._sync()  # JAX: the values of an epoch in progress
+        frz.sync()  # JAX: the values of an epoch in progress
         self._base = frz.plan
         self._vars = [v for v in frz.trainable_variables if frz.variable_state(v.path) == "partial"]
         if not self._vars:
@@ -112,7 +112,7 @@ class Reselect(keras.callbacks.Callback):
         self._next = self._iterations() + self.every
 
     def _iterations(self) -> int:
-        self.freezer._sync()  # JAX: fit keeps the state outside the variables during an epoch
+        self.freezer.sync()  # JAX: fit keeps the state outside the variables during an epoch
         return int(to_numpy(self.model.optimizer.iterations))
 
     def on_train_batch_end(self, batch, logs=None):
@@ -125,7 +125,7 @@ class Reselect(keras.callbacks.Callback):
         if getattr(self, "freezer", None) is None:  # called outside fit: set up as at train begin
             self.on_train_begin()
         frz = self.freezer
-        frz._sync()
+        frz.sync()
         grads = stream_scores(
             self.model,
             self._vars,
@@ -151,7 +151,7 @@ class Reselect(keras.callbacks.Callback):
                 grow = top_k([g], [frozen], d)[0]
                 trained = (trained & ~drop) | grow
                 swapped[v.path] = d
-            sel = _rule_selector(v.path)
+            sel = rule_selector(v.path)
             rules += [freeze(sel), train(sel, mask=trained)]
         plan = Plan(rules, strict=self._base.strict, batchnorm=self._base.batchnorm)
         frz.update(plan)

@@ -8,8 +8,10 @@ from typing import Any
 import keras
 
 from finefreeze._errors import PlanError
+from finefreeze._freezer.freezer import freezer_of
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import Rule, train
+from finefreeze._resolve.resolve import resolve
 
 __all__ = ["FreezeSchedule", "GradualUnfreezing"]
 
@@ -32,17 +34,13 @@ class _PlanCallback(keras.callbacks.Callback):
         self._started = False
 
     def _find_freezer(self):
-        from finefreeze._optimizer.wrapper import freezer_of
-
         return freezer_of(self.model, self._freezer, type(self).__name__)
 
     def _validate(self, frz, plans: dict) -> None:
         """Resolve every plan before training starts: a bad one fails now, not at epoch 7."""
-        from finefreeze._resolve.resolve import resolve
-
         for key, plan in plans.items():
             try:
-                resolve(plan, frz._target)
+                resolve(plan, frz.target)
             except PlanError as e:
                 raise PlanError(f"{type(self).__name__} plan for {key}: {e}") from None
 
@@ -50,7 +48,7 @@ class _PlanCallback(keras.callbacks.Callback):
         if not self._started:
             self._started = True
             if epoch > 0:  # a resumed run (initial_epoch, BackupAndRestore): weights were just restored
-                self.freezer._rebase()
+                self.freezer.rebase()
         self._on_epoch(epoch)
 
     def _on_epoch(self, epoch) -> None:

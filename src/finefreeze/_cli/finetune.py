@@ -33,7 +33,7 @@ OUTPUTS = (
 )
 
 
-def _loss_for(model, y):
+def loss_for(model, y):
     import keras
 
     last = model.layers[-1]
@@ -172,7 +172,7 @@ def _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, s
         model.save(stage.path("base.keras"))
         files["base"] = os.path.join(out, "base.keras")
     print_fn(frz.summary(variables=False))
-    loss, metrics = _loss_for(model, y)
+    loss, metrics = loss_for(model, y)
     model.compile(optimizer=frz.wrap(opt), loss=loss, metrics=metrics)
     name = metrics[0] if metrics else "loss"
     before = _metric(model, val, batch_size, name)

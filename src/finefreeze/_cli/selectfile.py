@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from finefreeze._cli.finetune import UserError, load_data, load_model
+from finefreeze._cli.finetune import UserError, load_data, load_model, loss_for
 from finefreeze._errors import PlanError
 from finefreeze._select.scores import SCORES
 from finefreeze._select.select import select
@@ -36,8 +36,6 @@ def select_to_file(model_path: str | None, data_path: str | None, *, score: str,
         UserError: a bad budget, or a selection the model or data refuse
             (the command prints one line and exits 2).
     """
-    from finefreeze._cli.finetune import _loss_for
-
     if model_path is not None and not os.path.exists(model_path):
         raise UserError(f"model file {model_path!r} does not exist")
     if model_path is not None and data_path is None:
@@ -45,7 +43,7 @@ def select_to_file(model_path: str | None, data_path: str | None, *, score: str,
     b = _budget(budget)
     model = load_model(model_path)
     (x, y), _ = load_data(data_path, model)
-    loss, _ = _loss_for(model, y)
+    loss, _ = loss_for(model, y)
     try:
         plan = select(model, (x, y), budget=b, score=score, loss=loss, verbose=0)
     except PlanError as e:

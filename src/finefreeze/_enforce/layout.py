@@ -42,6 +42,7 @@ __all__ = [
 #: 3 saves each variable's kind under "kind"; 2 (release 0.1) under "strategy"; 1 listed frozen paths only
 LAYOUT_VERSION = 3
 
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class VarLayout:
     """How one variable is kept.

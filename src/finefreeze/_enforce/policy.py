@@ -117,7 +117,9 @@ def _no_int64(size: int) -> bool:
     return not jax.config.jax_enable_x64
 
 
-def choose_kind(strategy: str, n_trainable: int, size: int, variable, inner, sparse: bool = False, path: str = "") -> str:
+def choose_kind(
+    strategy: str, n_trainable: int, size: int, variable, inner, sparse: bool = False, path: str = ""
+) -> str:
     """The concrete strategy of one partially frozen variable.
 
     Raises:

@@ -18,22 +18,22 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze._backends.distribute import owner_scope
 from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile as _deltafile
+from finefreeze._resolve.fingerprint import block_hashes
+from finefreeze._resolve.targets import collect, match_path
+from finefreeze._version import __version__
 
 __all__ = ["save_delta", "load_delta"]
 
 
 def _digest(value: np.ndarray, frozen: np.ndarray | None) -> str:
-    from finefreeze._resolve.fingerprint import block_hashes
-
     return hashlib.blake2b(block_hashes(value, frozen).tobytes(), digest_size=16).hexdigest()
 
 
 def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
     """Write the delta of ``frz``'s target to ``path``; return a summary."""
-    from finefreeze._version import __version__
-
     tensors: dict[str, np.ndarray] = {}
     meta_vars = {}
     res = frz.resolution
@@ -74,8 +74,6 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
 
 def _plan_writes(path: str, variables: dict, tensors: dict, by_path: dict) -> list[tuple[str, Any, np.ndarray]]:
     """Every ``(path, variable, new value)`` to write, after every check against the base."""
-    from finefreeze._resolve.targets import match_path
-
     writes = []
     for p, info in variables.items():
         try:
@@ -163,9 +161,6 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
         >>> base.numpy().tolist()
         [[0.0, 0.0], [1.0, 2.0]]
     """
-    from finefreeze._backends.distribute import owner_scope
-    from finefreeze._resolve.targets import collect
-
     path = os.fspath(path)
     variables, tensors = _deltafile.read(path)
     try:

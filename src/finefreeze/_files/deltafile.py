@@ -35,7 +35,6 @@ FORMAT = "finefreeze.delta/2"
 _V1 = "finefreeze.delta/1"
 
 
-
 def _sha256(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 

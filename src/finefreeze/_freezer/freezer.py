@@ -5,30 +5,29 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
+import keras
 
 from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.distribute import check_optimizer, check_scope, owner_scope
 from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._enforce.layout import Layout
-from finefreeze._errors import FreezeWarning, PlanError
-from finefreeze._freezer.keras_flags import flag_changes, set_layer_flags
-from finefreeze._kinds import STRATEGIES
+from finefreeze._errors import FreezeWarning, FrozenValueChanged, PlanError
+from finefreeze._files.delta import save_delta
+from finefreeze._freezer.base import FreezerBase, as_plan
+from finefreeze._freezer.keras_flags import flag_changes, set_flags, warn_switched_off
+from finefreeze._freezer.reload import rebuild_freezer
+from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
-from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED, Resolution, VarState, resolve
-from finefreeze._resolve.targets import base_trainable, collect, remember_base
+from finefreeze._resolve.fingerprint import take
+from finefreeze._resolve.resolve import PARTIAL, resolve
+from finefreeze._resolve.targets import collect
 
-if TYPE_CHECKING:
-    import keras
-
-    from finefreeze._optimizer.wrapper import FreezingOptimizer
-
-__all__ = ["Freezer"]
+__all__ = ["Freezer", "freezer_of"]
 
 
-class Freezer:
+class Freezer(FreezerBase):
     """Resolve a plan against a model, set its Keras flags, and prove it held.
 
     Creating a Freezer resolves the plan at once; on a bad plan it raises
@@ -59,85 +58,28 @@ class Freezer:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any):
-        # tf.compat.v1 graph targets get the Freezer of _graph.py (imported here: it subclasses this one)
+        # tf.compat.v1 graph targets get a GraphFreezer; a graph exists only once TensorFlow is imported
         target = args[0] if args else kwargs.get("target")
         if cls is Freezer and tensorflow_imported() is not None:
-            from finefreeze._freezer.graph import GraphFreezer, is_graph_target
+            from finefreeze._freezer.graph import GraphFreezer  # imports TensorFlow's v1 pieces: graphs only
+            from finefreeze._tf1.target import is_graph_target
 
             if is_graph_target(target):
-                return super().__new__(GraphFreezer)
+                Freezer.register(GraphFreezer)  # isinstance(frz, ff.Freezer) holds for graph Freezers too
+                return GraphFreezer(*args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto"):
-        if isinstance(plan, (list, tuple)):
-            plan = Plan(plan)
-        if not isinstance(plan, Plan):
-            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
-        if strategy not in STRATEGIES:
-            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-        self._strategy = strategy
+        super().__init__(plan, strategy)
         self._target = collect(target)
-        from finefreeze._backends.distribute import check_scope
-
         check_scope(
             [vi.variable for vi in self._target.variables], "the Freezer", [vi.path for vi in self._target.variables]
         )
-        self._res: Resolution = resolve(plan, self._target)
-        self._history: list[dict] = []
+        self._res = resolve(self._plan_given, self._target)
         self._wrapped: list = []  # weak references to optimizers made by wrap()
         self._earlier: list[tuple[str, str]] = []  # violations found at plan changes
         self.activate()
         self._record(0, retraced=False)
-
-    # -- state ----------------------------------------------------------------
-    @property
-    def plan(self) -> Plan:
-        """The plan in force."""
-        return self._res.plan
-
-    @property
-    def strategy(self) -> str:
-        """The requested strategy for partially frozen variables."""
-        return self._strategy
-
-    @property
-    def resolution(self) -> Resolution:
-        """The immutable resolution of the plan against the target."""
-        return self._res
-
-    @property
-    def trainable_variables(self) -> list:
-        """Variables the optimizer will update at all (trainable or partial).
-
-        Comes from this Freezer's plan, never from the Keras flags, so several
-        Freezers over one model each keep their own list.
-        """
-        return [s.variable for s in self._res.states if s.state in (TRAINABLE, PARTIAL)]
-
-    def _state(self, path: str) -> VarState:
-        st = self._res.by_path(path)
-        if st is None:
-            from finefreeze._resolve.resolve import _closest
-
-            paths = [p for s in self._res.states for p in s.info.names]
-            raise PlanError(
-                f"no variable with path {path!r} in this target; closest: {', '.join(_closest(path, paths))}."
-            )
-        return st
-
-    def frozen_mask(self, path: str) -> np.ndarray:
-        """Bool array of the variable's shape, True where an element is frozen.
-
-        Variables Keras does not train are all True.
-
-        Raises:
-            PlanError: no variable has that path.
-        """
-        return self._state(path).frozen_mask()
-
-    def variable_state(self, path: str) -> str:
-        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
-        return self._state(path).state
 
     @property
     def layout(self) -> Layout:
@@ -149,12 +91,10 @@ class Freezer:
         ...); Lamb, Adafactor, Muon and the like get ``restore`` where this
         shows ``compact``.
         """
-        from finefreeze._optimizer.wrapper import find_freezing_optimizer
-
         compiled = find_freezing_optimizer(self._target.obj)
         if compiled is not None and compiled.freezer is self and compiled.layout is not None:
             return compiled.layout  # the one that trains the model
-        opts = [o for o in self._optimizers() if o.layout is not None]
+        opts = [o for o in self.optimizers() if o.layout is not None]
         if opts:
             return opts[-1].layout
         return Layout.from_resolution(self._res, self._strategy, None)
@@ -179,14 +119,22 @@ class Freezer:
         Returns:
             self.
         """
-        self._set_flags()
+        set_flags(self._target, self._res)
         self._retrace()
         self._fingerprint = self._take_fingerprint()
         return self
 
-    def _rebase(self) -> None:
-        """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
-        self._sync()
+    @property
+    def target(self):
+        """The collected target: its object (``target.obj``), layers and variables with their paths."""
+        return self._target
+
+    def rebase(self) -> None:
+        """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint).
+
+        ``FreezeSchedule`` and ``GradualUnfreezing`` call it when ``BackupAndRestore`` restored the weights.
+        """
+        self.sync()
         self._fingerprint = self._take_fingerprint()
 
     def _rebuild_outer(self, var_list) -> None:
@@ -195,18 +143,14 @@ class Freezer:
         Keras' JAX trainer hands them the model's trainable variables and they
         pair them with the list they were built on.
         """
-        import keras
-
-        from finefreeze._optimizer.wrapper import FreezingOptimizer
-
         opt = getattr(self._target.obj, "optimizer", None)
         while opt is not None and not isinstance(opt, FreezingOptimizer) and opt.built:
             opt._trainable_variables_indices = {}
             keras.optimizers.Optimizer.build(opt, list(var_list))
             opt = getattr(opt, "inner_optimizer", None)
 
-    def _sync(self) -> None:
-        """Bring the variables up to date before reading or changing them.
+    def sync(self) -> None:
+        """Bring the variables up to date before reading or changing them (callbacks inside ``fit`` call it).
 
         Keras' JAX trainer keeps the training state outside the variables
         between the steps of an epoch (and purges their values); a callback
@@ -216,45 +160,18 @@ class Freezer:
         if sync is not None:
             sync()
 
-    def _set_flags(self) -> bool:
-        """Set Keras flags from the resolution; return whether any changed."""
-        import keras
-
-        t = self._target
-        for layer in t.layers:
-            if isinstance(layer, keras.layers.Layer):
-                remember_base(layer)
-        for vi in t.variables:
-            if vi.is_keras:
-                remember_base(vi.variable)
-        changed = set_layer_flags(t, self._res)  # layers frozen whole: layer.trainable = False
-        frozen_layers = {id(x) for x in self._res.frozen_layers}
-        for layer in t.layers:
-            if isinstance(layer, keras.layers.BatchNormalization):
-                want = base_trainable(layer) and id(layer) not in frozen_layers
-                if layer.trainable != want:
-                    layer.trainable, changed = want, True
-        for s in self._res.states:
-            if s.info.is_keras and s.state != UNTRAINED:
-                want = s.state != FROZEN
-                if s.variable.trainable != want:
-                    s.variable.trainable, changed = want, True
-        return changed
-
     def _retrace(self) -> None:
-        import keras
-
         obj = self._target.obj
         if isinstance(obj, keras.Model) and getattr(obj, "train_function", None) is not None:
             obj.make_train_function(force=True)
 
-    def _optimizers(self) -> list[FreezingOptimizer]:
-        """Live optimizers this Freezer wrapped, and a FreezingOptimizer compiled into its model."""
-        from finefreeze._optimizer.wrapper import find_freezing_optimizer
+    def optimizers(self) -> list[FreezingOptimizer]:
+        """The live ``FreezingOptimizer`` s of this Freezer: those it wrapped, and one compiled into a loaded model.
 
-        opts = [o for o in (r() for r in getattr(self, "_wrapped", ())) if o is not None]
-        target = getattr(self, "_target", None)  # a graph Freezer has neither
-        compiled = find_freezing_optimizer(getattr(target, "obj", None))
+        Reports and ``update`` read them; ``Freezer.of`` binds a loaded model's optimizer.
+        """
+        opts = [o for o in (r() for r in self._wrapped) if o is not None]
+        compiled = find_freezing_optimizer(self._target.obj)
         if compiled is not None and compiled.freezer is None and compiled not in opts:  # a loaded model's
             opts.append(compiled)
         return opts
@@ -302,28 +219,21 @@ class Freezer:
             >>> [h["step"] for h in frz.history]
             [0, 1]
         """
-        if isinstance(plan, (list, tuple)):
-            plan = Plan(plan)
-        if not isinstance(plan, Plan):
-            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
-        import keras
-
-        from finefreeze._backends.distribute import owner_scope
-
-        self._sync()
+        plan = as_plan(plan)
+        self.sync()
         res = resolve(plan, self._target)
         obj = self._target.obj
-        opts = self._optimizers()
+        opts = self.optimizers()
         old = self._res
         # Everything that can refuse the plan runs before anything changes.
         self._res = res
         try:
-            flags_changed = self._set_flags()
+            flags_changed = set_flags(self._target, self._res)
             var_list = list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
             layouts = [opt.prepare_change(res, var_list) for opt in opts]
         except Exception:
             self._res = old
-            self._set_flags()
+            set_flags(self._target, self._res)
             raise
         step = self._step()
         earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
@@ -338,7 +248,7 @@ class Freezer:
             for u in undo:
                 opts[0].undo_change(u)
             self._res = old
-            self._set_flags()
+            set_flags(self._target, self._res)
             self._retrace()
             raise
         self._earlier += earlier
@@ -351,38 +261,12 @@ class Freezer:
 
     def _step(self) -> int:
         """The optimizer step of this Freezer's first optimizer (0 without one)."""
-        self._sync()
-        opts = self._optimizers()
+        self.sync()
+        opts = self.optimizers()
         return int(to_numpy(opts[0].iterations)) if opts else 0
 
-    def _record(self, step: int, retraced: bool) -> None:
-        import time
-
-        self._history.append(
-            {
-                "step": step,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                "plan": [repr(r) for r in self._res.plan.rules],
-                "trainable_elements": int(sum(s.n_trainable for s in self._res.states)),
-                "retraced": retraced,
-            }
-        )
-
-    @property
-    def history(self) -> list[dict]:
-        """Every plan this Freezer enforced: ``step`` (optimizer iterations), time, rules."""
-        return [dict(h) for h in self._history]
-
-    def _fingerprint_items(self):
-        for s in self._res.states:
-            kind = self._res.kind_of(s)
-            if kind in (FROZEN, PARTIAL):
-                yield s.path, s.variable, s.info.shape, s.mask
-
     def _take_fingerprint(self):
-        from finefreeze._resolve.fingerprint import take
-
-        return take(self._fingerprint_items())
+        return take((s.path, s.variable, s.info.shape, s.mask) for s in self._fingerprinted())
 
     def verify(self, reference: Any = None) -> None:
         """Check that every frozen element is bit-identical to freeze time.
@@ -411,11 +295,9 @@ class Freezer:
               w: 1 frozen element(s) differ at (0, 1) (shape (2, 2))
             ...
         """
-        self._sync()
+        self.sync()
         if reference is None:
             if self._earlier:
-                from finefreeze._errors import FrozenValueChanged
-
                 bad = self._earlier + self._fingerprint.check()
                 lines = "\n".join(f"  {p}: {w}" for p, w in bad)
                 raise FrozenValueChanged(f"{len(bad)} frozen part(s) changed:\n{lines}", bad)
@@ -434,44 +316,20 @@ class Freezer:
         Returns:
             The wrapping ``FreezingOptimizer``.
         """
-        from finefreeze._backends.distribute import check_optimizer, check_scope
-        from finefreeze._optimizer.wrapper import FreezingOptimizer
-
         self._honour_keras_flags()
-        self._warn_switched_off()
+        warn_switched_off(self._res)
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")
         strategy = strategy or self._strategy
-        if strategy not in STRATEGIES:
-            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        if strategy not in self.strategies:
+            raise PlanError(self._strategy_refusal(strategy))
         layout = Layout.from_resolution(self._res, strategy, optimizer)
         opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy, _resolution=self._res, _layout=layout)
         opt.refuse_nan(layout)
-        opt._attach(self)
+        opt.bind_freezer(self)
         self._wrapped.append(weakref.ref(opt))
         return opt
-
-    def _warn_switched_off(self) -> None:
-        """Warn when Keras will not train variables the plan trains (a ``layer.trainable = False`` of the user's)."""
-        off = [
-            s.path
-            for s in self._res.states
-            if s.state in (TRAINABLE, PARTIAL)
-            and s.info.is_keras
-            and not s.variable.trainable
-            # the layer itself switched off: not the variable flags another Freezer of this model set
-            and getattr(s.info.owner, "trainable", True) is False
-        ]
-        if off:
-            shown = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
-            warnings.warn(
-                f"the plan trains {shown}, but Keras' trainable flag is off for them (a layer.trainable = False "
-                "set after the Freezer?): Keras computes no gradient for them, so they will not train. Put it "
-                "in the plan (frz.update(frz.plan.freeze(...))) or set the flag back.",
-                FreezeWarning,
-                stacklevel=3,
-            )
 
     def _honour_keras_flags(self) -> None:
         """Turn ``layer.trainable`` switches made since the flags were set into plan rules (with a warning)."""
@@ -514,16 +372,13 @@ class Freezer:
             >>> ff.Freezer.of(m) is frz
             True
         """
-        from finefreeze._freezer.reload import rebuild_freezer
-        from finefreeze._optimizer.wrapper import find_freezing_optimizer
-
         opt = find_freezing_optimizer(model)
         if opt is None:
             return None
         if opt.freezer is not None:
             return opt.freezer
         frz = rebuild_freezer(cls, model, opt)
-        opt._attach(frz, strong=True)
+        opt.bind_freezer(frz, strong=True)
         frz._wrapped.append(weakref.ref(opt))
         return frz
 
@@ -542,76 +397,23 @@ class Freezer:
         Returns:
             ``{"path", "bytes", "tensors"}``.
         """
-        from finefreeze._files.delta import save_delta
-
         return save_delta(self, path)
 
-    def plot(self, path, *, title: str | None = None) -> str:
-        """Draw which variables and elements are frozen to an image file.
 
-        One bar per variable (per layer for large models) split into trained
-        (orange) and frozen (blue) elements, and the mask of up to four
-        partially frozen variables. Needs matplotlib
-        (``pip install 'finefreeze[plot]'``).
+def freezer_of(model, given, who: str):
+    """``given``, else the Freezer of ``model`` (``Freezer.of``).
 
-        Args:
-            path: the image file (``.png``, ``.svg``, ``.pdf``).
-            title: replaces the default title (element totals).
-
-        Returns:
-            ``path``.
-
-        Raises:
-            ImportError: matplotlib is not installed (with the install hint).
-        """
-        from finefreeze._report.plot import plot
-
-        return plot(self, path, title=title)
-
-    # -- reports -----------------------------------------------------------------
-    def report(self) -> dict:
-        """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`."""
-        from finefreeze._report.report import build_report
-
-        return build_report(self)
-
-    def summary(
-        self,
-        *,
-        variables: bool = True,
-        print_fn: Callable[[str], Any] | None = None,
-        detail: bool | None = None,
-    ) -> str:
-        """A table like ``model.summary()``: grouped by block, or per layer and variable.
-
-        Args:
-            variables: in the detailed table, list each variable under its layer.
-            print_fn: if given, called with the text (``print`` prints it).
-            detail: True for the per-layer / per-variable table, False for
-                the grouped one (blocks found by ``ff.blocks`` collapsed
-                into runs of one state, at most 120 characters wide); None
-                (default) picks the detailed table when it fits a screen
-                (40 rows) and the grouped one otherwise.
-
-        Returns:
-            The table as a string.
-        """
-        from finefreeze._report.groups import format_groups, wants_detail
-        from finefreeze._report.report import format_summary
-
-        rep = self.report()
-        detailed = wants_detail(rep, variables) if detail is None else detail
-        text = format_summary(rep, variables=variables) if detailed else format_groups(rep)
-        if print_fn is not None:
-            print_fn(text)
-        return text
-
-    def __repr__(self) -> str:
-        r = self.report()["totals"]
-        return (
-            f"<Freezer {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
-            f"elements in {r['variables']} variables>"
+    Raises:
+        TypeError: there is none; the message says how to fix it.
+    """
+    if given is not None:
+        return given
+    frz = Freezer.of(model)
+    if frz is None:
+        raise TypeError(
+            f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
         )
+    return frz
 
 
 # inspect.signature(Freezer) shows __init__'s parameters, not those of the dispatching __new__

@@ -10,26 +10,30 @@ comes from :meth:`GraphFreezer.minimize` (``_graph_train.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from finefreeze._errors import PlanError
-from finefreeze._freezer.freezer import Freezer
+from finefreeze._freezer.base import FreezerBase
 from finefreeze._plan.plan import Plan
-from finefreeze._report.report import build_report, format_summary
 from finefreeze._resolve.fingerprint import Fingerprint, take
-from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, Resolution, VarState, _closest, resolve
+from finefreeze._resolve.resolve import PARTIAL, Resolution, resolve
 from finefreeze._resolve.targets import Target
-from finefreeze._tf1.target import Fetched, GraphValues, collect_graph, is_graph_target
+from finefreeze._tf1.target import Fetched, GraphValues, collect_graph
 from finefreeze._tf1.train import apply_op, train_op
 
-__all__ = ["GraphFreezer", "is_graph_target"]
+__all__ = ["GraphFreezer"]
+
+#: a report on a graph: elements no rule selects keep the graph's state
+GRAPH_WORDS = {
+    "untouched": "graph state",
+    "share": "of the trainable variables",
+    "untrained": "Not trainable (outside TRAINABLE_VARIABLES)",
+}
 
 
-class GraphFreezer(Freezer):
+class GraphFreezer(FreezerBase):
     """A :class:`Freezer` over ``tf.compat.v1`` graph variables; ``ff.Freezer`` returns one for a graph.
 
     Resolves the plan at once (a bad plan is a ``PlanError`` and nothing
@@ -65,17 +69,13 @@ class GraphFreezer(Freezer):
         ['head/w:0']
     """
 
+    strategies = ("auto", "restore")
+    words = GRAPH_WORDS
+    target_word = "graph"
+
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", session=None):
-        if isinstance(plan, (list, tuple)):
-            plan = Plan(plan)
-        if not isinstance(plan, Plan):
-            raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
-        if strategy not in ("auto", "restore"):
-            raise PlanError(
-                f"strategy {strategy!r} is not available for tf.compat.v1 graphs; use 'auto' or 'restore' "
-                "(gradient selection, update, frozen elements written back: exact with every optimizer)."
-            )
-        self._strategy = strategy
+        super().__init__(plan, strategy)
+        plan = self._plan_given
         self._graph, infos = collect_graph(target, lambda v: self._values.read_one(v))  # where= reads
         self._values = GraphValues(self._graph, session)
         target_obj = Target(target, "graph", infos, [])
@@ -86,102 +86,33 @@ class GraphFreezer(Freezer):
                     f"variable {s.path!r}: lr_scale is not available for tf.compat.v1 graphs; build one train "
                     "op per learning rate (a Freezer and an optimizer each) instead."
                 )
-        self._history: list[dict] = []
         self._fingerprint: Fingerprint | None = None
         if self._values.initialized([s.variable for s in self._fingerprinted()]):
             self.activate()  # else activate() later, once the variables have their values
-        self._history.append(
-            {"step": 0, "plan": [repr(r) for r in plan.rules], "trainable_elements": self._n_trainable()}
-        )
+        self._record(0, stamp=False)
 
     # -- state ------------------------------------------------------------------
+    def _strategy_refusal(self, strategy: str) -> str:
+        return (
+            f"strategy {strategy!r} is not available for tf.compat.v1 graphs; use 'auto' or 'restore' "
+            "(gradient selection, update, frozen elements written back: exact with every optimizer)."
+        )
+
     @property
     def graph(self) -> tf.Graph:
         """The graph whose variables this Freezer covers."""
         return self._graph
 
     @property
-    def strategy(self) -> str:
-        """The requested strategy (``"auto"`` or ``"restore"``)."""
-        return self._strategy
-
-    @property
-    def trainable_variables(self) -> list:
-        """Variables with anything trainable, in graph order (the same list as ``var_list``)."""
-        return [s.variable for s in self._res.states if s.state in (TRAINABLE, PARTIAL)]
-
-    @property
     def var_list(self) -> list:
         """The ``var_list`` for ``optimizer.minimize`` / ``compute_gradients``: variables with anything trainable."""
         return self.trainable_variables
-
-    @property
-    def history(self) -> list[dict]:
-        """The plan this Freezer enforces (one entry: graph plans change by a new Freezer and train op)."""
-        return [dict(h) for h in self._history]
-
-    def _n_trainable(self) -> int:
-        return int(sum(s.n_trainable for s in self._res.states))
-
-    def _state(self, path: str) -> VarState:
-        st = self._res.by_path(path)
-        if st is None:
-            paths = [p for s in self._res.states for p in s.info.names]
-            raise PlanError(
-                f"no variable with path {path!r} in this graph; closest: {', '.join(_closest(path, paths))}."
-            )
-        return st
-
-    def frozen_mask(self, path: str) -> np.ndarray:
-        """Bool array of the variable's shape, True where an element is frozen.
-
-        Raises:
-            PlanError: no variable has that path.
-        """
-        return self._state(path).frozen_mask()
-
-    def variable_state(self, path: str) -> str:
-        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
-        return self._state(path).state
 
     def strategy_for(self, path: str) -> str | None:
         """``"restore"`` for a partially frozen variable, else None."""
         return "restore" if self._state(path).state == PARTIAL else None
 
-    def report(self) -> dict:
-        """JSON-able dict with the per-variable facts of :meth:`summary`.
-
-        Elements no rule selects are decided by the ``graph state``: trainable
-        when the variable is in the graph's ``TRAINABLE_VARIABLES``.
-        """
-        rep = build_report(self)
-        for v in rep["variables"]:
-            for d in v["decided_by"]:
-                d["rule"] = "graph state" if d["rule"] == "keras state" else d["rule"]
-        return rep
-
-    def summary(self, *, variables: bool = True, print_fn: Callable[[str], Any] | None = None) -> str:
-        """The table of :meth:`Freezer.summary`, worded for a graph.
-
-        Args:
-            variables: list each variable under its scope.
-            print_fn: if given, called with the text (``print`` prints it).
-
-        Returns:
-            The table as a string.
-        """
-        text = format_summary(self.report(), variables=variables)
-        text = text.replace("of what Keras trains", "of the trainable variables").replace(
-            "Not trained by Keras (moving statistics etc.)", "Not trainable (outside TRAINABLE_VARIABLES)"
-        )
-        if print_fn is not None:
-            print_fn(text)
-        return text
-
     # -- fingerprint and verify ---------------------------------------------------
-    def _fingerprinted(self) -> list[VarState]:
-        return [s for s in self._res.states if self._res.kind_of(s) in (FROZEN, PARTIAL)]
-
     def activate(self, session=None) -> GraphFreezer:
         """Take the fingerprint of every frozen element, through a session.
 
@@ -325,7 +256,7 @@ class GraphFreezer(Freezer):
         """
         return apply_op(self, optimizer, grads_and_vars, global_step=global_step, name=name)
 
-    # -- not for graphs ---------------------------------------------------------------
+    # -- what graphs do instead ---------------------------------------------------------
     def update(self, plan: Plan | list) -> GraphFreezer:
         """Not for graphs: a train op keeps its plan; make a new Freezer and train op (same optimizer keeps state).
 
@@ -358,9 +289,5 @@ class GraphFreezer(Freezer):
             "delta files are written from eager variables; save graph variables with tf.compat.v1.train.Saver."
         )
 
-    def __repr__(self) -> str:
-        r = self.report()["totals"]
-        return (
-            f"<Freezer (tf.compat.v1 graph) {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} "
-            f"frozen elements in {r['variables']} variables>"
-        )
+    def _describe(self) -> str:
+        return "Freezer (tf.compat.v1 graph)"

@@ -17,14 +17,19 @@ flag never changed, so there was nothing to see).
 from __future__ import annotations
 
 import re
+import warnings
 
+import keras
+
+from finefreeze._errors import FreezeWarning
+from finefreeze._kinds import State
 from finefreeze._plan.rules import Rule, freeze, train
 from finefreeze._resolve.blocks import layers_under as _walk
 from finefreeze._resolve.resolve import FROZEN, UNTRAINED
 from finefreeze._resolve.scopes import layer_scope
-from finefreeze._resolve.targets import base_trainable
+from finefreeze._resolve.targets import base_trainable, remember_base
 
-__all__ = ["set_layer_flags", "flag_changes"]
+__all__ = ["flag_changes", "set_flags", "set_layer_flags", "warn_switched_off"]
 
 _SET = "_finefreeze_set_trainable"
 _CALL = "_finefreeze_inference_call"
@@ -52,8 +57,6 @@ def set_layer_flags(target, res) -> bool:
     Runs before the BatchNormalization and variable flags are set (Keras'
     setter cascades into sublayers and variables, which those then correct).
     """
-    import keras
-
     if target.kind != "keras":
         return False
     layers, parent = _walk_with_parents(target.obj)
@@ -146,3 +149,49 @@ def flag_changes(target, res) -> list[tuple[str, Rule]]:
         rule = train(sel) if layer.trainable else freeze(sel)
         out.append((f"{layer.name}.trainable = {bool(layer.trainable)}", rule))
     return out
+
+
+def set_flags(target, res) -> bool:
+    """Set the Keras flags of ``target``'s layers and variables from ``res``; return whether any changed."""
+    t = target
+    for layer in t.layers:
+        if isinstance(layer, keras.layers.Layer):
+            remember_base(layer)
+    for vi in t.variables:
+        if vi.is_keras:
+            remember_base(vi.variable)
+    changed = set_layer_flags(t, res)  # layers frozen whole: layer.trainable = False
+    frozen_layers = {id(x) for x in res.frozen_layers}
+    for layer in t.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            want = base_trainable(layer) and id(layer) not in frozen_layers
+            if layer.trainable != want:
+                layer.trainable, changed = want, True
+    for s in res.states:
+        if s.info.is_keras and s.state != UNTRAINED:
+            want = s.state != FROZEN
+            if s.variable.trainable != want:
+                s.variable.trainable, changed = want, True
+    return changed
+
+
+def warn_switched_off(res) -> None:
+    """Warn when Keras will not train variables the plan trains (a ``layer.trainable = False`` of the user's)."""
+    off = [
+        s.path
+        for s in res.states
+        if s.state in (State.TRAINABLE, State.PARTIAL)
+        and s.info.is_keras
+        and not s.variable.trainable
+        # the layer itself switched off: not the variable flags another Freezer of this model set
+        and getattr(s.info.owner, "trainable", True) is False
+    ]
+    if off:
+        shown = ", ".join(off[:3]) + (f" and {len(off) - 3} more" if len(off) > 3 else "")
+        warnings.warn(
+            f"the plan trains {shown}, but Keras' trainable flag is off for them (a layer.trainable = False "
+            "set after the Freezer?): Keras computes no gradient for them, so they will not train. Put it "
+            "in the plan (frz.update(frz.plan.freeze(...))) or set the flag back.",
+            FreezeWarning,
+            stacklevel=3,
+        )

@@ -32,7 +32,7 @@ def _exact(path: str) -> str:
 def _saved_masks(opt) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | float]]:
     """``{path: (kind, frozen mask or None, scale)}`` as a built optimizer enforces them."""
     out = {}
-    by_path = {e.path: e for e in opt._enforcers.ordered}
+    by_path = {e.path: e for e in opt.enforcers}
     for entry in opt.layout:
         enf = by_path.get(entry.path)
         if entry.kind == Kind.FROZEN or enf is None:
@@ -114,6 +114,6 @@ def rebuild_freezer(cls, model, opt):
             ok = False
         plan = opt.plan if ok else masks_plan(opt)
     frz = cls(model, plan, strategy=opt.strategy)
-    opt._resolution = frz.resolution
+    opt.adopt_resolution(frz.resolution)
     frz._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan has been in force since before the save
     return frz

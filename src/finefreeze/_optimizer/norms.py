@@ -48,6 +48,4 @@ def record(norms, raw) -> None:
             trained = ops.sum(ops.square(ops.where(ops.reshape(e.mask.value, (-1,)), ops.zeros_like(g), g)))
         tn += trained
         fn += ops.maximum(total - trained, 0.0)
-    write_all(
-        [(norms[0], assign, (ops.sqrt(tn),)), (norms[1], assign, (ops.sqrt(fn),))]
-    )
+    write_all([(norms[0], assign, (ops.sqrt(tn),)), (norms[1], assign, (ops.sqrt(fn),))])

@@ -17,21 +17,23 @@ import warnings
 import weakref
 
 import keras
-from keras import ops
 
+from finefreeze._backends.distribute import check_optimizer, owner_strategy
 from finefreeze._backends.questions import tensorflow
-from finefreeze._backends.variables import write_all
+from finefreeze._backends.variables import own_buffers, write_all
 from finefreeze._enforce.enforcer import Enforcers, decay_compact_like_its_variable, make_enforcers
 from finefreeze._enforce.layout import Layout, refuse_unknown
 from finefreeze._enforce.policy import inexact_reasons, refuse_nan
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
-from finefreeze._kinds import STRATEGIES, Kind
+from finefreeze._kinds import Kind
 from finefreeze._optimizer import change, norms
 from finefreeze._optimizer import migrate as _migrate
+from finefreeze._optimizer.arguments import refuse_arguments
 from finefreeze._plan.plan import Plan
-from finefreeze._resolve.targets import var_path
+from finefreeze._resolve.resolve import resolve
+from finefreeze._resolve.targets import collect, var_path
 
-__all__ = ["FreezingOptimizer", "find_freezing_optimizer", "freezer_of"]
+__all__ = ["FreezingOptimizer", "find_freezing_optimizer"]
 
 
 @keras.saving.register_keras_serializable(package="finefreeze")
@@ -86,52 +88,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         resolution = kwargs.pop("_resolution", None)
         layout = kwargs.pop("_layout", None)
         saved_layout = kwargs.pop("_saved_layout", None)
-        if kwargs:
-            import inspect
-
-            from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-            settings = set(inspect.signature(BaseOptimizer.__init__).parameters)
-            unknown = sorted(k for k in kwargs if k not in settings)
-            if unknown:
-                raise TypeError(
-                    f"FreezingOptimizer got unknown argument(s) {', '.join(unknown)}; it takes "
-                    "(inner_optimizer, plan=None, *, strategy='auto', name=None)."
-                )
-            names = ", ".join(sorted(kwargs))
-            example = ", ".join(f"{k}=..." for k in sorted(kwargs))
-            cls = type(inner_optimizer).__name__ if isinstance(inner_optimizer, keras.optimizers.Optimizer) else "Adam"
-            raise TypeError(
-                f"FreezingOptimizer takes no optimizer settings (got {names}); they belong to the inner "
-                f"optimizer: ff.FreezingOptimizer(keras.optimizers.{cls}(..., {example}), plan) or "
-                f"frz.wrap(keras.optimizers.{cls}(..., {example}))."
-            )
-        if isinstance(inner_optimizer, FreezingOptimizer):
-            raise TypeError(
-                "FreezingOptimizer cannot wrap another FreezingOptimizer: one plan per optimizer. "
-                "Put every rule in one plan, or wrap the plain optimizer."
-            )
-        if isinstance(inner_optimizer, keras.optimizers.LossScaleOptimizer):
-            raise TypeError(
-                "FreezingOptimizer cannot wrap a LossScaleOptimizer: the loss scale "
-                "optimizer must stay outermost. Wrap the plain optimizer; under "
-                "mixed_float16, model.compile adds the LossScaleOptimizer around "
-                "the FreezingOptimizer itself (or wrap it yourself: "
-                "LossScaleOptimizer(FreezingOptimizer(Adam(), plan)))."
-            )
-        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise TypeError(
-                f"inner_optimizer must be a keras.optimizers.Optimizer, got {type(inner_optimizer).__name__}."
-            )
-        if inner_optimizer.built:
-            raise ValueError(
-                f"the {type(inner_optimizer).__name__} to wrap is already built on "
-                f"{len(inner_optimizer._trainable_variables)} variables; wrap a new, unbuilt optimizer."
-            )
-        if strategy not in STRATEGIES:
-            raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
-        if plan is not None and not isinstance(plan, Plan):
-            raise PlanError(f"plan must be an ff.Plan, got {type(plan).__name__}.")
+        refuse_arguments(FreezingOptimizer, inner_optimizer, plan, strategy, kwargs)
         super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
         self.inner_optimizer = inner_optimizer
         self._plan = plan
@@ -209,11 +166,24 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     @property
+    def enforcers(self) -> tuple:
+        """The enforcers of the variables it updates, in build order (empty before ``build``)."""
+        return tuple(self._enforcers.ordered)
+
+    def adopt_resolution(self, resolution) -> None:
+        """Take ``resolution`` as the one its layout came from (the Freezer rebuilt for a loaded model)."""
+        self._resolution = resolution
+
+    @property
     def freezer(self):
         """The :class:`Freezer` of this optimizer (made by ``wrap`` or ``Freezer.of``), or None."""
         return self._freezer_ref() if self._freezer_ref is not None else None
 
-    def _attach(self, freezer, strong: bool = False) -> None:
+    def bind_freezer(self, freezer, strong: bool = False) -> None:
+        """Make ``freezer`` this optimizer's :attr:`freezer` (``wrap`` and ``Freezer.of`` do).
+
+        Held weakly, or strongly for a Freezer rebuilt for a loaded model (nothing else holds it).
+        """
         self._freezer_ref = weakref.ref(freezer)
         self._freezer_strong = freezer if strong else None
 
@@ -240,16 +210,12 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         if self._saved_layout is not None:
             return Layout.from_config(self._saved_layout, var_list, self._strategy)
         if self._resolution is None:
-            from finefreeze._resolve.resolve import resolve
-            from finefreeze._resolve.targets import collect
-
             self._resolution = resolve(self._plan or Plan(), collect(list(var_list)))
         return Layout.from_resolution(self._resolution, self._strategy, self.inner_optimizer, var_list)
 
     def build(self, var_list):
         if self.built:
             return
-        from finefreeze._backends.distribute import check_optimizer, owner_strategy
 
         check_optimizer(self, var_list, "FreezingOptimizer.build")
         tf = tensorflow()
@@ -411,18 +377,16 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
             return
         writes = []
-        pending = [(e, e.prepare(None, writes)[1]) for e in self._enforcers.ordered if e.kind in (Kind.RESTORE, Kind.COMPACT)]
+        pending = [
+            (e, e.prepare(None, writes)[1]) for e in self._enforcers.ordered if e.kind in (Kind.RESTORE, Kind.COMPACT)
+        ]
         write_all(writes)
         self.inner_optimizer.finalize_variable_values(self.inner_optimizer._trainable_variables)
         writes = []
         for e, ctx in pending:
             e.finish(ctx, writes)
         write_all(writes)
-        if tensorflow() is None:
-            # The EMA overwrite made each variable share its buffer with its average;
-            # JAX's next train step donates both and fails (plain Keras 3.15 too).
-            for v in self.inner_optimizer._trainable_variables:
-                v.assign(ops.copy(v.value))
+        own_buffers(self.inner_optimizer._trainable_variables)
 
     # -- serialization -------------------------------------------------------
     def get_config(self):
@@ -461,23 +425,3 @@ def find_freezing_optimizer(model) -> FreezingOptimizer | None:
     while opt is not None and not isinstance(opt, FreezingOptimizer):
         opt = getattr(opt, "inner_optimizer", None)
     return opt
-
-
-def freezer_of(model, given, who: str):
-    """``given``, else the Freezer of ``model`` (``Freezer.of``).
-
-    Raises:
-        TypeError: there is none; the message says how to fix it.
-    """
-    if given is not None:
-        return given
-    from finefreeze._freezer.freezer import Freezer
-
-    frz = Freezer.of(model)
-    if frz is None:
-        raise TypeError(
-            f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
-        )
-    return frz
-
-

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from finefreeze._errors import PlanError
+from finefreeze._plan.planfile import read_plan_file, write_plan_file
 from finefreeze._plan.rules import Rule, decode_mask, freeze, train
 
 __all__ = ["Plan", "BATCHNORM"]
@@ -208,8 +209,6 @@ class Plan:
             PlanError: unknown extension or a rule that cannot be written.
             ImportError: YAML without ``pip install finefreeze[yaml]``.
         """
-        from finefreeze._plan.planfile import write_plan_file
-
         write_plan_file(self.to_dict(), os.fspath(path))
 
     @classmethod
@@ -220,8 +219,6 @@ class Plan:
             PlanError: the file does not parse (file and line named) or holds
                 a bad plan.
         """
-        from finefreeze._plan.planfile import read_plan_file
-
         path = os.fspath(path)
         return cls.from_dict(read_plan_file(path), source=path)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from finefreeze._backends.questions import is_module, is_variable
 from finefreeze._errors import PlanError
+from finefreeze._plan.index import split_suffix
 
 __all__ = ["Selector", "to_selector", "glob_to_regex", "match_all"]
 
@@ -168,13 +169,13 @@ def match_all(selector: Selector, target) -> frozenset[int] | None:
     Other selectors return None and are asked variable by variable.
     """
     if isinstance(selector, (Glob, Regex)):
-        index = target._name_index
+        index = target.name_index
         if index is None:
             names = [(n, i) for i, vi in enumerate(target.variables) for n in vi.names]
             offsets = list(itertools.accumulate((len(n) + 1 for n, _ in names), initial=0))[:-1]
             text = "\n".join(n for n, _ in names)
             index = (names, offsets, text, any("\n" in n for n, _ in names))
-            target._name_index = index
+            target.name_index = index
         names, offsets, text, has_newline = index
         if isinstance(selector, Regex) or has_newline:
             full = selector.regex.fullmatch
@@ -243,7 +244,6 @@ def _from_string(s: str) -> tuple[Selector, str | None]:
                 "suffix; pick elements with mask=, indices= or where=."
             ) from None
         return Regex(pattern, rx), None
-    from finefreeze._plan.index import split_suffix
 
     path, suffix = split_suffix(s)
     problem = None

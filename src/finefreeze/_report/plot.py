@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from finefreeze._report.maskview import FROZEN_RGB, TRAINED_RGB, as_matrix, frozen_fraction_image, to_rgb
+
 __all__ = ["plot"]
 
 _MAX_ROWS = 40
@@ -43,8 +45,6 @@ def _rows(rep):
 
 def plot(frz, path: str | os.PathLike, *, title: str | None = None, dpi: int = 120) -> str:
     """Draw ``frz``'s plan to an image file; return the path."""
-    from finefreeze._report.maskview import FROZEN_RGB, TRAINED_RGB, as_matrix, frozen_fraction_image, to_rgb
-
     plt = _pyplot()
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator

@@ -9,13 +9,21 @@ from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
 __all__ = ["build_report", "format_summary"]
 
 
-def _decider(plan, idx: int) -> str:
+#: the words of a report on a Keras target; a graph Freezer has its own (``words`` of the Freezer)
+KERAS_WORDS = {
+    "untouched": "keras state",
+    "share": "of what Keras trains",
+    "untrained": "Not trained by Keras (moving statistics etc.)",
+}
+
+
+def _decider(plan, idx: int, words: dict) -> str:
     if idx >= len(plan.rules):
         return f"batchnorm={plan.batchnorm!r}"
-    return "keras state" if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
+    return words["untouched"] if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
 
 
-def build_report(frz) -> dict:
+def build_report(frz, words: dict = KERAS_WORDS) -> dict:
     res = frz.resolution
     plan = res.plan
     variables = []
@@ -44,7 +52,7 @@ def build_report(frz) -> dict:
                 "lr_scale": s.lr_scale,
                 "adam_state_elements": adam,
                 "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
-                "decided_by": [{"rule": _decider(plan, i), "elements": n} for i, n in s.decided_by],
+                "decided_by": [{"rule": _decider(plan, i, words), "elements": n} for i, n in s.decided_by],
             }
         )
     layers: dict[str, dict] = {}
@@ -92,7 +100,7 @@ def build_report(frz) -> dict:
         for i, n in st.decided_by:
             decided[i] = decided.get(i, 0) + n
     lr_scales = [
-        {"rule": _decider(plan, i), "lr_scale": r.lr_scale, "elements": decided.get(i, 0)}
+        {"rule": _decider(plan, i, words), "lr_scale": r.lr_scale, "elements": decided.get(i, 0)}
         for i, r in enumerate(plan.rules)
         if not r.freezes and r.lr_scale is not None and r.lr_scale != 1.0
     ]
@@ -106,7 +114,7 @@ def build_report(frz) -> dict:
         "layers": list(layers.values()),
         "variables": variables,
         "totals": totals,
-        "history": list(getattr(frz, "_history", [])),
+        "history": frz.history,
     }
     rep["groups"] = build_groups(frz, rep)
     return rep
@@ -158,7 +166,7 @@ def _rule_numbers(deciders) -> str:
 _LEGEND_RULES = 20  # rules listed above the table; the rest are counted
 
 
-def format_summary(rep: dict, *, variables: bool = True) -> str:
+def format_summary(rep: dict, *, variables: bool = True, words: dict = KERAS_WORDS) -> str:
     by_path = {v["path"]: v for v in rep["variables"]}
     label = rep.get("optimizer_state", "Adam state")
     head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", label, "Decided by")
@@ -217,9 +225,9 @@ def format_summary(rep: dict, *, variables: bool = True) -> str:
     out += [line(r) for r in rows]
     out.append(rule)
     pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
-    out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% of what Keras trains)")
+    out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% {words['share']})")
     out.append(f"Frozen elements:    {t['frozen_elements']:,}")
-    out.append(f"Not trained by Keras (moving statistics etc.): {t['untrained_elements']:,}")
+    out.append(f"{words['untrained']}: {t['untrained_elements']:,}")
     out.append(f"Optimizer {label}: {t['optimizer_state_elements']:,} elements")
     if rep["frozen_layers"]:
         names = rep["frozen_layers"]

@@ -54,7 +54,7 @@ def optimizer_state(frz) -> tuple[str, int | None]:
         >>> optimizer_state(frz)
         ('SGD state', 1)
     """
-    opts = frz._optimizers()
+    opts = frz.optimizers()
     if not opts:
         return "state (Adam)", 2
     inner = opts[-1].inner_optimizer

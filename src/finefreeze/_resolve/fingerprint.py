@@ -14,8 +14,10 @@ import dataclasses
 import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.distribute import replica_values
 from finefreeze._backends.read import read
-from finefreeze._errors import FrozenValueChanged
+from finefreeze._errors import FrozenValueChanged, PlanError
+from finefreeze._resolve.targets import match_path
 
 __all__ = ["Fingerprint", "take", "BLOCK"]
 
@@ -83,7 +85,7 @@ class Fingerprint:
                 defaults to every replica's copy of a distributed variable.
         """
         if read is None:
-            from finefreeze._backends.distribute import replica_values as read
+            read = replica_values
         bad = []
         for e in self.entries:
             frozen = None if e.frozen is None else e.frozen.dense()
@@ -103,9 +105,6 @@ class Fingerprint:
         Raises:
             PlanError: ``reference`` lacks a variable or has another shape.
         """
-        from finefreeze._errors import PlanError
-        from finefreeze._resolve.targets import match_path
-
         by_path = {n: vi for vi in reference.variables for n in vi.names}
         bad = []
         for e in self.entries:

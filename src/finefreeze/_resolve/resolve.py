@@ -109,7 +109,7 @@ class Resolution:
         return [s for s in self.states if s.state in (TRAINABLE, PARTIAL)]
 
 
-def _closest(text: str, paths: list[str]) -> list[str]:
+def closest(text: str, paths: list[str]) -> list[str]:
     got = difflib.get_close_matches(text, paths, n=3, cutoff=0.0)
     return got or paths[:3]
 
@@ -294,7 +294,7 @@ def _check_hits(plan, target, hits, untrained_hits):
                 why += ambiguity_note(regex, target.ambiguous)
         msg = (
             f"rule {i + 1} {rule!r} selects nothing: {why}. Closest existing "
-            f"paths: {', '.join(_closest(text, paths))}. Fix the selector, or "
+            f"paths: {', '.join(closest(text, paths))}. Fix the selector, or "
             "use Plan(..., strict=False) to allow rules that select nothing."
         )
         if plan.strict:

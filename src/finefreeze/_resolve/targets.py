@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from finefreeze._backends.questions import tensorflow_imported
+from finefreeze._backends.read import read
 from finefreeze._errors import PlanError
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
 
@@ -81,8 +82,6 @@ class VarInfo:
 
     def numpy(self):
         """The variable's current value as a numpy array (``where=`` reads it)."""
-        from finefreeze._backends.read import read
-
         return read(self.variable)
 
 
@@ -96,7 +95,7 @@ class Target:
     ambiguous: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        self._name_index = None  # every name joined once, for selectors that match all variables at once
+        self.name_index = None  # every name joined once, for selectors that match all variables at once
         self._class_ids: dict = {}
         self._inst_ids: dict = {}
 

@@ -94,7 +94,7 @@ def _selected(selectors, target, what: str) -> dict[str, np.ndarray]:
     return {s.path: ~s.frozen_mask() for s in res.states if s.state not in (UNTRAINED, FROZEN)}
 
 
-def _rule_selector(path: str) -> str:
+def rule_selector(path: str) -> str:
     return "re:" + re.escape(path) if any(c in path for c in "*?[]") else path
 
 
@@ -264,7 +264,7 @@ def select(
         rules += [train(s) for s in (include if isinstance(include, (list, tuple)) else [include])]
     for vi, c in zip(cand, chosen):
         if c.all():
-            rules.append(train(_rule_selector(vi.path)))
+            rules.append(train(rule_selector(vi.path)))
         elif c.any():
-            rules.append(train(_rule_selector(vi.path), mask=c))
+            rules.append(train(rule_selector(vi.path), mask=c))
     return Plan(rules)

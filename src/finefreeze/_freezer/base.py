@@ -1,0 +1,210 @@
+"""What every Freezer shares: a plan resolved against a target, state queries, history, report.
+
+``Freezer`` (Keras models, layers, ``tf.Module``, variable lists) and
+``GraphFreezer`` (``tf.compat.v1`` graphs) both derive from
+:class:`FreezerBase`; each adds what its kind of target offers and refuses
+nothing it inherits. A subclass calls ``super().__init__(plan, strategy)``,
+then sets ``self._res`` (and ``self._fingerprint``) from its target.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from finefreeze._errors import PlanError
+from finefreeze._kinds import STRATEGIES, State
+from finefreeze._plan.plan import Plan
+from finefreeze._report.groups import format_groups, wants_detail
+from finefreeze._report.plot import plot
+from finefreeze._report.report import KERAS_WORDS, build_report, format_summary
+from finefreeze._resolve.resolve import Resolution, VarState, closest
+
+__all__ = ["FreezerBase", "as_plan"]
+
+
+def as_plan(plan: Plan | list) -> Plan:
+    """``plan`` as a :class:`Plan` (a list or tuple of rules is accepted).
+
+    Raises:
+        PlanError: anything else.
+    """
+    if isinstance(plan, (list, tuple)):
+        plan = Plan(plan)
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
+    return plan
+
+
+class FreezerBase(abc.ABC):
+    """A plan resolved against a target: what is trained, what is frozen, and the report of it.
+
+    Args:
+        plan: the :class:`Plan` (a list of rules is accepted too).
+        strategy: one of :attr:`strategies`.
+
+    Raises:
+        PlanError: not a plan, or an unknown strategy.
+    """
+
+    #: the strategies this kind of Freezer enforces
+    strategies: tuple[str, ...] = STRATEGIES
+    #: how a report names the state of elements no rule selects, and the untrained variables
+    words: dict = KERAS_WORDS
+    #: what the target is called in messages
+    target_word = "target"
+
+    def __init__(self, plan: Plan | list, strategy: str):
+        self._plan_given = as_plan(plan)
+        if strategy not in self.strategies:
+            raise PlanError(self._strategy_refusal(strategy))
+        self._strategy = strategy
+        self._history: list[dict] = []
+        self._res: Resolution | None = None
+
+    def _strategy_refusal(self, strategy: str) -> str:
+        return f"unknown strategy {strategy!r}; choose one of {', '.join(self.strategies)}."
+
+    # -- state ----------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan in force."""
+        return self._res.plan
+
+    @property
+    def strategy(self) -> str:
+        """The requested strategy for partially frozen variables."""
+        return self._strategy
+
+    @property
+    def resolution(self) -> Resolution:
+        """The immutable resolution of the plan against the target."""
+        return self._res
+
+    @property
+    def trainable_variables(self) -> list:
+        """Variables the optimizer will update at all (trainable or partial).
+
+        Comes from this Freezer's plan, never from the Keras flags, so several
+        Freezers over one model each keep their own list.
+        """
+        return [s.variable for s in self._res.states if s.state in (State.TRAINABLE, State.PARTIAL)]
+
+    def _state(self, path: str) -> VarState:
+        st = self._res.by_path(path)
+        if st is None:
+            paths = [p for s in self._res.states for p in s.info.names]
+            raise PlanError(
+                f"no variable with path {path!r} in this {self.target_word}; "
+                f"closest: {', '.join(closest(path, paths))}."
+            )
+        return st
+
+    def frozen_mask(self, path: str) -> np.ndarray:
+        """Bool array of the variable's shape, True where an element is frozen.
+
+        Variables Keras does not train are all True.
+
+        Raises:
+            PlanError: no variable has that path.
+        """
+        return self._state(path).frozen_mask()
+
+    def variable_state(self, path: str) -> str:
+        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
+        return self._state(path).state
+
+    def optimizers(self) -> list:
+        """The live ``FreezingOptimizer`` s that enforce this Freezer's plan (none for a graph Freezer)."""
+        return []
+
+    @abc.abstractmethod
+    def strategy_for(self, path: str) -> str | None:
+        """The strategy that enforces a partially frozen variable (None for others)."""
+
+    # -- history ----------------------------------------------------------------
+    def _record(self, step: int, *, stamp: bool = True, retraced: bool | None = None) -> None:
+        entry: dict[str, Any] = {"step": step}
+        if stamp:
+            entry["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        entry["plan"] = [repr(r) for r in self._res.plan.rules]
+        entry["trainable_elements"] = int(sum(s.n_trainable for s in self._res.states))
+        if retraced is not None:
+            entry["retraced"] = retraced
+        self._history.append(entry)
+
+    @property
+    def history(self) -> list[dict]:
+        """Every plan this Freezer enforced: ``step`` (optimizer iterations), time, rules."""
+        return [dict(h) for h in self._history]
+
+    def _fingerprinted(self) -> list[VarState]:
+        """The variables whose frozen elements the fingerprint covers."""
+        return [s for s in self._res.states if self._res.kind_of(s) in (State.FROZEN, State.PARTIAL)]
+
+    # -- reports -----------------------------------------------------------------
+    def report(self) -> dict:
+        """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`."""
+        return build_report(self, self.words)
+
+    def summary(
+        self,
+        *,
+        variables: bool = True,
+        print_fn: Callable[[str], Any] | None = None,
+        detail: bool | None = None,
+    ) -> str:
+        """A table like ``model.summary()``: grouped by block, or per layer and variable.
+
+        Args:
+            variables: in the detailed table, list each variable under its layer.
+            print_fn: if given, called with the text (``print`` prints it).
+            detail: True for the per-layer / per-variable table, False for
+                the grouped one (blocks found by ``ff.blocks`` collapsed
+                into runs of one state, at most 120 characters wide); None
+                (default) picks the detailed table when it fits a screen
+                (40 rows) and the grouped one otherwise.
+
+        Returns:
+            The table as a string.
+        """
+        rep = self.report()
+        detailed = wants_detail(rep, variables) if detail is None else detail
+        text = format_summary(rep, variables=variables, words=self.words) if detailed else format_groups(rep)
+        if print_fn is not None:
+            print_fn(text)
+        return text
+
+    def plot(self, path, *, title: str | None = None) -> str:
+        """Draw which variables and elements are frozen to an image file.
+
+        One bar per variable (per layer for large models) split into trained
+        (orange) and frozen (blue) elements, and the mask of up to four
+        partially frozen variables. Needs matplotlib
+        (``pip install 'finefreeze[plot]'``).
+
+        Args:
+            path: the image file (``.png``, ``.svg``, ``.pdf``).
+            title: replaces the default title (element totals).
+
+        Returns:
+            ``path``.
+
+        Raises:
+            ImportError: matplotlib is not installed (with the install hint).
+        """
+        return plot(self, path, title=title)
+
+    def _describe(self) -> str:
+        return "Freezer"
+
+    def __repr__(self) -> str:
+        r = self.report()["totals"]
+        return (
+            f"<{self._describe()} {r['trainable_elements']:,} trainable / {r['frozen_elements']:,} frozen "
+            f"elements in {r['variables']} variables>"
+        )

@@ -1,0 +1,236 @@
+"""The house keeps its shape: rooms in layers, no import cycles, no reach-ins, no stray local imports.
+
+Reads every module of ``src/finefreeze`` as text (nothing is imported).
+The layering, lowest first, is :data:`LAYERS`: a module may import its own
+room and the rooms below it. Function-local imports of finefreeze's own
+modules are for backends and optional pieces only (:data:`LOCAL_IMPORTS`);
+a cross-room use of another room's private name (``frz._x``, ``from
+finefreeze._a.b import _c``) needs a ``# private:`` comment saying why, and
+there are at most three.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+pytestmark = pytest.mark.one_backend
+
+SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "finefreeze"
+
+#: rooms from the bottom up; a room may import the rooms before it (its row too)
+LAYERS = [
+    {"_errors", "_version", "_kinds", "_keras_hook", "layers"},  # the foundation
+    {"_backends"},
+    {"_plan"},
+    {"_resolve"},
+    {"_enforce"},
+    {"_optimizer"},
+    {"_report", "_files", "_tf1"},
+    {"_freezer"},
+    {"_select"},
+    {"_callbacks"},
+    {"_data"},
+    {"_cli"},
+    {"__init__", "__main__", "callbacks"},  # the public namespace
+]
+RANK = {room: i for i, row in enumerate(LAYERS) for room in row}
+
+#: function-local imports of our own modules, and why each is not at the top
+LOCAL_IMPORTS = {
+    # imports TensorFlow's tf.compat.v1 pieces: only once a graph target is seen
+    ("finefreeze._freezer.freezer", "finefreeze._freezer.graph"),
+    ("finefreeze._freezer.freezer", "finefreeze._tf1.target"),
+    # the lazy public namespace: ``import finefreeze`` imports no Keras
+    ("finefreeze.__init__", "finefreeze._keras_hook"),
+    # registration when Keras loads, by module name
+    ("finefreeze._keras_hook", "finefreeze._optimizer.wrapper"),
+}
+#: modules whose local imports are all deliberate: the command line imports Keras only once a command runs
+LAZY_MODULES = {"finefreeze._cli.commands", "finefreeze._cli.inputs", "finefreeze._cli.finetune"}
+
+
+def _modules():
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        yield "finefreeze." + ".".join(parts), path
+
+
+MODULES = dict(_modules())
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _imports(module: str, path: pathlib.Path):
+    """``(imported module, line, local?)`` for every import of a finefreeze module."""
+    tree = ast.parse(path.read_text())
+    in_function = {
+        id(inner)
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for inner in ast.walk(fn)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("finefreeze"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                target = sub if sub in MODULES else node.module
+                yield target, node.lineno, id(node) in in_function, alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("finefreeze"):
+                    yield alias.name, node.lineno, id(node) in in_function, None
+
+
+def _edges():
+    out = {}
+    for module, path in MODULES.items():
+        out[module] = [(t, line, local, name) for t, line, local, name in _imports(module, path) if t != module]
+    return out
+
+
+EDGES = _edges()
+
+
+def _cycles():
+    graph = {m: sorted({t for t, *_ in EDGES[m] if t in MODULES and t != "finefreeze"}) for m in MODULES}
+    seen, stack, on, found = set(), [], set(), []
+
+    def visit(m):
+        seen.add(m)
+        stack.append(m)
+        on.add(m)
+        for t in graph[m]:
+            if t in on:
+                found.append(stack[stack.index(t) :] + [t])
+            elif t not in seen:
+                visit(t)
+        stack.pop()
+        on.discard(m)
+
+    for m in graph:
+        if m not in seen:
+            visit(m)
+    return found
+
+
+def test_every_module_is_in_a_room_of_the_layering():
+    rooms = {_room(m) for m in MODULES if m != "finefreeze"}
+    assert rooms <= set(RANK), f"rooms missing from LAYERS: {sorted(rooms - set(RANK))}"
+    flat = [
+        m
+        for m, path in MODULES.items()
+        if path.parent == SRC and path.name != "__init__.py" and _room(m) not in LAYERS[0] | LAYERS[-1]
+    ]
+    assert not flat, f"modules outside a room: {flat}"
+
+
+def test_no_import_cycles_counting_local_imports():
+    assert _cycles() == []
+
+
+def test_imports_follow_the_layering():
+    bad = []
+    for module, edges in EDGES.items():
+        if module == "finefreeze":
+            continue
+        for target, line, _, _ in edges:
+            if target == "finefreeze":
+                continue  # the package itself: light, and the public names
+            if RANK[_room(target)] > RANK[_room(module)]:
+                bad.append(f"{module}:{line} imports {target} (room {_room(target)} is above {_room(module)})")
+    assert bad == []
+
+
+def test_local_imports_only_for_backends_and_optional_pieces():
+    bad = [
+        f"{module}:{line} imports {target} inside a function"
+        for module, edges in EDGES.items()
+        for target, line, local, _ in edges
+        if local and module not in LAZY_MODULES and (module, target) not in LOCAL_IMPORTS
+    ]
+    assert bad == []
+
+
+def _own_private_names() -> dict[str, set[str]]:
+    """Room -> the private names its modules define (functions, classes, attributes set on self)."""
+    out: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        names = out.setdefault(_room(module) if module != "finefreeze" else "__init__", set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.startswith("_"):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__slots__" for t in node.targets):
+                names.update(e.value for e in ast.walk(node.value) if isinstance(e, ast.Constant))
+            elif (
+                isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "__setattr__" and len(node.args) > 1
+            ):
+                if isinstance(node.args[1], ast.Constant):
+                    names.add(node.args[1].value)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr.startswith("_"):
+                    names.add(node.attr)
+    return {
+        room: {n for n in names if isinstance(n, str) and n.startswith("_") and not n.startswith("__")}
+        for room, names in out.items()
+    }
+
+
+def _reach_ins():
+    own = _own_private_names()
+    found = []
+    for module, path in MODULES.items():
+        room = _room(module) if module != "finefreeze" else "__init__"
+        others = set().union(*(names for r, names in own.items() if r != room)) - own.get(room, set())
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in others:
+                base = node.value
+                if not (isinstance(base, ast.Name) and base.id in ("self", "cls")):
+                    found.append((module, node.lineno, node.attr, lines[node.lineno - 1]))
+        for target, line, _, name in EDGES[module]:
+            if name and name.startswith("_") and not name.startswith("__") and target != "finefreeze":
+                if _room(target) != room and f"{target}.{name}" not in MODULES:
+                    found.append((module, line, name, lines[line - 1]))
+    return found
+
+
+def test_at_most_three_commented_reach_ins_into_another_rooms_private_names():
+    found = _reach_ins()
+    uncommented = [f"{m}:{line} uses {name}" for m, line, name, text in found if "# private:" not in text]
+    assert uncommented == []
+    assert len(found) <= 3, found
+
+
+def test_no_module_is_longer_than_450_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}
+
+
+def test_the_wrapper_is_thin():
+    tree = ast.parse(MODULES["finefreeze._optimizer.wrapper"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FreezingOptimizer")
+    assert cls.end_lineno - cls.lineno + 1 <= 400
+
+
+def test_the_checks_catch_what_they_guard(tmp_path):
+    """A cycle and an upward import are seen (the checks themselves can fail)."""
+    global EDGES
+    saved = EDGES
+    try:
+        EDGES = {m: list(e) for m, e in saved.items()}
+        EDGES["finefreeze._plan.rules"].append(("finefreeze._freezer.freezer", 1, False, "Freezer"))
+        EDGES["finefreeze._freezer.freezer"].append(("finefreeze._plan.rules", 1, False, "freeze"))
+        with pytest.raises(AssertionError):
+            test_imports_follow_the_layering()
+        assert _cycles() != []
+        EDGES["finefreeze._plan.plan"].append(("finefreeze._resolve.resolve", 9, True, "resolve"))
+        with pytest.raises(AssertionError):
+            test_local_imports_only_for_backends_and_optional_pieces()
+    finally:
+        EDGES = saved
