@@ -43,6 +43,29 @@ def test_public_features_end_to_end_where_tensorflow_is_not_installed(backend, t
     assert got.stdout.strip().splitlines()[-1] == f"OK: {backend}"
 
 
+@pytest.mark.parametrize("backend", OTHER_BACKENDS)
+def test_no_selector_form_imports_tensorflow_where_it_is_installed(backend):
+    """Layer instances, variables and callables as selectors once asked TensorFlow's types (importing it on JAX)."""
+    got = run_on(backend, str(ROOT / "tests" / "backend_no_tensorflow.py"))
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    assert got.stdout.strip().splitlines()[-1] == f"OK: {backend}"
+
+
+def _failed_tests(junit: pathlib.Path) -> list[str]:
+    """The ids of the failed and erroring tests of a pytest run's JUnit XML report."""
+    import xml.etree.ElementTree as ET
+
+    if not junit.exists():
+        return []
+    out = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            message = (bad.get("message") or "").splitlines()[0][:200] if bad.get("message") else ""
+            out.append(f"{case.get('classname')}::{case.get('name')}: {message}")
+    return out
+
+
 def test_the_import_hook_hides_tensorflow(tmp_path):
     """What the run above relies on: Keras sees no TensorFlow, and importing it fails."""
     (tmp_path / "imports_tf.py").write_text("import keras\nprint(keras.src.utils.module_utils.tensorflow.available)\n")
@@ -64,12 +87,14 @@ PARTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, part", list(PARTS))
-def test_backend_neutral_suite_where_tensorflow_is_not_installed(backend, part):
+def test_backend_neutral_suite_where_tensorflow_is_not_installed(backend, part, tmp_path):
     hidden = str(ROOT / "tests" / "without_tensorflow.py")
-    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "not one_backend", *PARTS[backend, part]]
-    got = run_on(backend, hidden, *args)
+    junit = tmp_path / "junit.xml"
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-m", "not one_backend", f"--junitxml={junit}"]
+    got = run_on(backend, hidden, *args, *PARTS[backend, part])
+    failed = _failed_tests(junit)
     tail = got.stdout[-3000:] + got.stderr[-2000:]
-    assert got.returncode == 0, tail
+    assert got.returncode == 0 and not failed, f"{len(failed)} failed on {backend}:\n" + "\n".join(failed) + "\n" + tail
     summary = got.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary, summary
 

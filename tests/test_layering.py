@@ -41,6 +41,10 @@ LOCAL_IMPORTS = {
     # imports TensorFlow's tf.compat.v1 pieces: only once a graph target is seen
     ("finefreeze._freezer.freezer", "finefreeze._freezer.graph"),
     ("finefreeze._freezer.freezer", "finefreeze._tf1.target"),
+    # one module per backend: only the framework in force is imported
+    ("finefreeze._backends.gradients", "finefreeze._backends.tensorflow"),
+    ("finefreeze._backends.gradients", "finefreeze._backends.jax"),
+    ("finefreeze._backends.gradients", "finefreeze._backends.torch"),
     # the lazy public namespace: ``import finefreeze`` imports no Keras
     ("finefreeze.__init__", "finefreeze._keras_hook"),
     # registration when Keras loads, by module name
