@@ -162,10 +162,10 @@ def test_local_imports_only_for_backends_and_optional_pieces():
 
 
 def _own_private_names() -> dict[str, set[str]]:
-    """Room -> the private names its modules define (functions, classes, attributes set on self)."""
+    """Module -> the private names it defines (functions, classes, slots, attributes set on self)."""
     out: dict[str, set[str]] = {}
     for module, path in MODULES.items():
-        names = out.setdefault(_room(module) if module != "finefreeze" else "__init__", set())
+        names = out.setdefault(module, set())
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name.startswith("_"):
                 names.add(node.name)
@@ -186,11 +186,12 @@ def _own_private_names() -> dict[str, set[str]]:
 
 
 def _reach_ins():
+    """Uses of a private name that another room defines and this module does not (a room's modules are friends)."""
     own = _own_private_names()
     found = []
     for module, path in MODULES.items():
         room = _room(module) if module != "finefreeze" else "__init__"
-        others = set().union(*(names for r, names in own.items() if r != room)) - own.get(room, set())
+        others = set().union(*(names for m, names in own.items() if _room(m) != room)) - own[module]
         lines = path.read_text().splitlines()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in others:

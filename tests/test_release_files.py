@@ -93,3 +93,17 @@ def test_freezeboard_writes_what_the_previous_release_wrote(tmp_path):
     new_tags, new_texts = _board(tmp_path)
     assert old_tags and new_tags == old_tags
     assert new_texts == old_texts
+
+
+def test_a_model_saved_now_writes_layout_version_3_and_loads(tmp_path):
+    model = keras.models.load_model(HERE / "mid_training.keras")
+    model.save(tmp_path / "now.keras")
+    config = json.loads(zipfile.ZipFile(tmp_path / "now.keras").read("config.json"))
+    layout = config["compile_config"]["optimizer"]["config"]["layout"]
+    assert layout["version"] == 3
+    assert all("kind" in e and "strategy" not in e for e in layout["variables"])
+    again = keras.models.load_model(tmp_path / "now.keras")
+    ff.Freezer.of(again).verify()
+    assert {e.path: e.kind for e in ff.Freezer.of(again).layout} == json.loads((HERE / "MANIFEST.json").read_text())[
+        "layout"
+    ]

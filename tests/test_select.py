@@ -16,6 +16,7 @@ import tensorflow as tf
 import finefreeze as ff
 from backend_utils import attention_model, gradients
 from conftest import mlp, weights
+from finefreeze._select.select import split_budget
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -196,7 +197,7 @@ def test_per_variable_quota_is_proportional_and_top_k_inside_each_variable():
     c = chosen(m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, per_variable=True, verbose=0))
     sizes = [int(np.prod(v.shape)) for v in m.weights]
     k = int(np.floor(0.25 * sum(sizes) + 0.5))
-    quotas = ff._select.split_budget(k, sizes)
+    quotas = split_budget(k, sizes)
     assert sum(quotas) == k
     for v, q, n in zip(m.weights, quotas, sizes):
         assert abs(q - 0.25 * n) < 1

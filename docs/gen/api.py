@@ -35,8 +35,18 @@ def _signature(obj) -> str:
     return str(sig.replace(parameters=params))
 
 
+def _members(cls):
+    """Own and inherited members of finefreeze classes (a base's first), the most derived definition of each."""
+    mro = [c for c in reversed(cls.__mro__) if c.__module__.startswith("finefreeze")]
+    names = list(dict.fromkeys(n for c in mro for n in vars(c)))
+    for name in names:
+        yield name, next(vars(c)[name] for c in cls.__mro__ if name in vars(c))
+
+
 def _methods(cls):
-    for name, member in vars(cls).items():
+    for name, member in _members(cls):
+        if isinstance(member, classmethod):
+            member = member.__func__
         if name.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
             continue
         doc = inspect.cleandoc(member.__doc__) if member.__doc__ else None  # its own, not inherited
@@ -44,7 +54,7 @@ def _methods(cls):
             sig = (
                 ""
                 if isinstance(member, property)
-                else _signature(member).replace("(self, ", "(").replace("(self)", "()")
+                else _signature(member).replace("(self, ", "(").replace("(self)", "()").replace("(cls, ", "(").replace("(cls)", "()")
             )
             yield name, sig, doc.splitlines()[0]
 

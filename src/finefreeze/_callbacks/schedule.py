@@ -126,7 +126,7 @@ class FreezeSchedule(_PlanCallback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.by == "step":
-            self._due(self.freezer._step())
+            self._due(self.freezer.step)
 
 
 class GradualUnfreezing(_PlanCallback):

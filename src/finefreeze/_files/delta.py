@@ -20,7 +20,7 @@ import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._errors import DeltaError, PlanError
-from finefreeze._files import deltafile as _deltafile
+from finefreeze._files import deltafile
 from finefreeze._resolve.fingerprint import block_hashes
 from finefreeze._resolve.targets import collect, match_path
 from finefreeze._version import __version__
@@ -45,7 +45,7 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
             tensors[p] = value
         elif kind == "partial":
             idx = mask.trainable_flat_indices()
-            tensors.update(_deltafile.encode_index(p, idx))
+            tensors.update(deltafile.encode_index(p, idx))
             tensors[f"{p}::values"] = value.reshape(-1)[idx]
             info["frozen"] = _digest(value, mask.dense())
         else:
@@ -59,7 +59,7 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        _deltafile.write(tensors, meta_vars, plan, __version__, tmp)
+        deltafile.write(tensors, meta_vars, plan, __version__, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -101,7 +101,7 @@ def _plan_writes(path: str, variables: dict, tensors: dict, by_path: dict) -> li
         frozen = None
         if kind == "partial":
             try:
-                idx = _deltafile.decode_index(p, tensors, base.size)
+                idx = deltafile.decode_index(p, tensors, base.size)
             except DeltaError as e:
                 raise DeltaError(f"delta {path!r}: {e}") from None
             values = tensors[f"{p}::values"]
@@ -162,7 +162,7 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
         [[0.0, 0.0], [1.0, 2.0]]
     """
     path = os.fspath(path)
-    variables, tensors = _deltafile.read(path)
+    variables, tensors = deltafile.read(path)
     try:
         t = collect(target)
     except PlanError as e:

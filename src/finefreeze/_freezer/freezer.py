@@ -235,7 +235,7 @@ class Freezer(FreezerBase):
             self._res = old
             set_flags(self._target, self._res)
             raise
-        step = self._step()
+        step = self.step
         earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
         undo = [opt.begin_change() for opt in opts]
         retrace = True
@@ -259,8 +259,9 @@ class Freezer(FreezerBase):
         self._record(step, retraced=retrace)
         return self
 
-    def _step(self) -> int:
-        """The optimizer step of this Freezer's first optimizer (0 without one)."""
+    @property
+    def step(self) -> int:
+        """The optimizer step of this Freezer's first optimizer (0 without one); ``FreezeSchedule`` reads it."""
         self.sync()
         opts = self.optimizers()
         return int(to_numpy(opts[0].iterations)) if opts else 0

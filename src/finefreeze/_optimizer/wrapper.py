@@ -26,8 +26,7 @@ from finefreeze._enforce.layout import Layout, refuse_unknown
 from finefreeze._enforce.policy import inexact_reasons, refuse_nan
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._kinds import Kind
-from finefreeze._optimizer import change, norms
-from finefreeze._optimizer import migrate as _migrate
+from finefreeze._optimizer import change, migrate, norms
 from finefreeze._optimizer.arguments import refuse_arguments
 from finefreeze._plan.plan import Plan
 from finefreeze._resolve.resolve import resolve
@@ -96,8 +95,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._resolution = resolution
         self._layout: Layout | None = layout
         self._saved_layout = saved_layout
-        self._inner_base = _migrate.constructor_variables(inner_optimizer)
-        self._enforcers = Enforcers(state=_migrate.StateMap({}, {}, []))
+        self._inner_base = migrate.constructor_variables(inner_optimizer)
+        self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))
         self._mask_warned = False
         self._freezer_ref = None
         self._freezer_strong = None
@@ -239,7 +238,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         enforcers.norms = norms.variables()  # optimizer variables only while FreezeBoard tracks them
         # outside the no-tracking scope: the inner optimizer tracks what it makes
         # (Nadam's u_product is an attribute, not an add_variable)
-        enforcers.state = _migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
+        enforcers.state = migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
         decay_compact_like_its_variable(self.inner_optimizer, enforcers)
         self._enforcers = enforcers
         if held:  # a plan change; a first build starts as Keras does

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import keras
 import numpy as np
 
-from finefreeze._backends import gradients as _gradients
+from finefreeze._backends import gradients
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._errors import PlanError
@@ -158,7 +158,7 @@ def stream_scores(
     loss_fn = loss_function(model, loss)
     if score == "delta":
         return _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose)
-    grads = _gradients.make(model, variables, loss_fn, per_example)
+    grads = gradients.make(model, variables, loss_fn, per_example)
     if cache is not None:
         cache["grads"] = grads
     return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=cache is not None)
@@ -190,7 +190,7 @@ def _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer
     opt = optimizer if optimizer is not None else keras.optimizers.Adam(1e-3)
     try:
         opt.build(variables)
-        step = _gradients.train_step(model, variables, loss_fn, opt)
+        step = gradients.train_step(model, variables, loss_fn, opt)
         seen = 0
         for _ in range(epochs):
             it, total = batches(data, batch_size=batch_size, limit=limit)
