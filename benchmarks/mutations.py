@@ -167,7 +167,7 @@ def run(index: int, mutation) -> tuple[str, float]:
     t0 = time.time()
     try:
         path.write_text(source.replace(old, new))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split(" -k ")[0].split()]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests.split(" -k ")[0].split()]
         if " -k " in tests:
             cmd += ["-k", tests.split(" -k ", 1)[1]]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

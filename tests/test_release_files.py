@@ -107,3 +107,23 @@ def test_a_model_saved_now_writes_layout_version_3_and_loads(tmp_path):
     assert {e.path: e.kind for e in ff.Freezer.of(again).layout} == json.loads((HERE / "MANIFEST.json").read_text())[
         "layout"
     ]
+
+
+def test_a_file_of_the_previous_release_loads_after_import_finefreeze_alone():
+    """Keras finds the class by its registered name; the module path the file names still imports to it."""
+    import importlib
+    import subprocess
+    import sys
+
+    code = (
+        "import finefreeze, keras, sys; m = keras.models.load_model(sys.argv[1]); "
+        "print(type(m.optimizer).__module__, type(m.optimizer).__name__)"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code, str(HERE / "mid_training.keras")], capture_output=True, text=True, timeout=300
+    )
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout.split()[-1] == "FreezingOptimizer", got.stdout
+    config = json.loads(zipfile.ZipFile(HERE / "mid_training.keras").read("config.json"))
+    opt = config["compile_config"]["optimizer"]
+    assert getattr(importlib.import_module(opt["module"]), opt["class_name"]) is ff.FreezingOptimizer

@@ -8,8 +8,9 @@ state across a change (``migrate``) and the gradient norms FreezeBoard reads
 May import: ``finefreeze._errors``, ``_backends``, ``_plan``, ``_resolve``, ``_enforce``.
 
 ``FreezingOptimizer`` is re-exported here: model files of release 0.1 name
-``finefreeze._optimizer`` as its module, and Keras imports that path when the
-class is not registered yet.
+``finefreeze._optimizer`` as its module. Keras 3.15 finds the class by its
+registered name (``finefreeze>FreezingOptimizer``, registered on
+``import finefreeze``); the path stays importable for whatever reads it.
 """
 
 from finefreeze._optimizer.wrapper import FreezingOptimizer as FreezingOptimizer
