@@ -499,3 +499,17 @@ def test_any_mask_on_any_shape_is_exact_and_trains_as_by_hand(shape, seed, name)
     _, ref = run(ours=False)
     assert np.array_equal(after[frozen], before[frozen])
     assert np.array_equal(after[~frozen], ref[~frozen])
+
+
+def test_a_graph_freezer_is_an_ff_freezer_from_the_start():
+    """``ff.Freezer`` is the public type of every kind of Freezer, before any graph Freezer was made too."""
+    import subprocess
+    import sys
+
+    code = (
+        "import finefreeze as ff; from finefreeze._freezer.graph import GraphFreezer; "
+        "print(issubclass(GraphFreezer, ff.Freezer), issubclass(ff.Freezer, GraphFreezer))"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split()[-2:] == ["True", "False"]

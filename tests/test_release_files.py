@@ -101,7 +101,8 @@ def test_a_model_saved_now_writes_layout_version_3_and_loads(tmp_path):
     config = json.loads(zipfile.ZipFile(tmp_path / "now.keras").read("config.json"))
     layout = config["compile_config"]["optimizer"]["config"]["layout"]
     assert layout["version"] == 3
-    assert all("kind" in e and "strategy" not in e for e in layout["variables"])
+    # the kind under "kind", and under "strategy" too, which release 0.1 reads
+    assert all(e["kind"] == e["strategy"] for e in layout["variables"])
     again = keras.models.load_model(tmp_path / "now.keras")
     ff.Freezer.of(again).verify()
     assert {e.path: e.kind for e in ff.Freezer.of(again).layout} == json.loads((HERE / "MANIFEST.json").read_text())[
@@ -127,3 +128,12 @@ def test_a_file_of_the_previous_release_loads_after_import_finefreeze_alone():
     config = json.loads(zipfile.ZipFile(HERE / "mid_training.keras").read("config.json"))
     opt = config["compile_config"]["optimizer"]
     assert getattr(importlib.import_module(opt["module"]), opt["class_name"]) is ff.FreezingOptimizer
+
+
+def test_a_layout_newer_than_this_release_is_refused_with_a_clear_error():
+    from finefreeze._enforce.layout import Layout
+
+    config = json.loads(zipfile.ZipFile(HERE / "mid_training.keras").read("config.json"))
+    layout = dict(config["compile_config"]["optimizer"]["config"]["layout"], version=99)
+    with pytest.raises(ff.PlanError, match="version 99, newer than this finefreeze reads"):
+        Layout.from_config(layout, [], "auto")

@@ -165,3 +165,14 @@ def test_reselect_outside_fit_and_the_plan_keeps_its_batchnorm_option():
     assert plan is frz.plan and plan.batchnorm == "frozen"
     assert cb.swaps and sum(cb.swaps[-1]["swapped"].values()) > 0
     frz.verify()
+
+
+def test_reselect_finds_the_freezer_of_a_loaded_model(tmp_path):
+    """Like the schedules, Reselect asks Freezer.of: a model from load_model has no Freezer until then."""
+    m, frz, _, _, _, (x, y) = run("restore", keras.optimizers.Adam(1e-2), epochs=1)
+    m.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    cb = ff.callbacks.Reselect((x, y), every=3, fraction=0.3, batches=2, batch_size=16)
+    loaded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    assert cb.freezer is ff.Freezer.of(loaded)
+    cb.freezer.verify()

@@ -4,6 +4,7 @@ Every "which backend", "is TensorFlow here" and "is this a TensorFlow object"
 of the package is one of these functions, so each is answered one way:
 
 - :func:`keras_is_tensorflow` / :func:`keras_is_jax`: the Keras backend;
+- :func:`jax_has_int64`: whether JAX has 64-bit integers;
 - :func:`tensorflow`: the TensorFlow module when it is the Keras backend;
 - :func:`tensorflow_imported`: TensorFlow when something already imported
   it (a ``tf.Variable``, ``tf.Module`` or ``tf.data.Dataset`` cannot exist
@@ -31,6 +32,7 @@ from types import ModuleType
 __all__ = [
     "is_module",
     "is_variable",
+    "jax_has_int64",
     "keras_backend",
     "keras_is_jax",
     "keras_is_tensorflow",
@@ -55,6 +57,13 @@ def keras_is_tensorflow() -> bool:
 def keras_is_jax() -> bool:
     """Whether the Keras backend is JAX."""
     return keras_backend() == "jax"
+
+
+def jax_has_int64() -> bool:
+    """Whether JAX runs with 64-bit integers (``jax_enable_x64``); imports JAX."""
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
 
 
 def tensorflow() -> ModuleType | None:

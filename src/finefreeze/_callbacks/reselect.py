@@ -10,23 +10,13 @@ import numpy as np
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.gradients import need_gradients
 from finefreeze._errors import PlanError
+from finefreeze._freezer.freezer import freezer_of
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._select.scores import stream_scores
 from finefreeze._select.select import rule_selector, top_k
 
 __all__ = ["Reselect"]
-
-
-def _freezer_of(model, given):
-    if given is not None:
-        return given
-    opt = getattr(model, "optimizer", None)
-    while opt is not None and getattr(opt, "freezer", None) is None:
-        opt = getattr(opt, "inner_optimizer", None)
-    if opt is None:
-        raise TypeError("Reselect needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass freezer=frz.")
-    return opt.freezer
 
 
 class Reselect(keras.callbacks.Callback):
@@ -97,7 +87,7 @@ class Reselect(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         need_gradients("gradient")
-        self.freezer = _freezer_of(self.model, self._given)
+        self.freezer = freezer_of(self.model, self._given, "Reselect")
         frz = self.freezer
         frz.sync()  # JAX: the values of an epoch in progress
         self._base = frz.plan

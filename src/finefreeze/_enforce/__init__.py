@@ -1,7 +1,6 @@
 """Room of enforcement: what each variable gets and the object that gives it.
 
-Owns: the vocabulary of variable states and layout kinds (``kinds``), the
-capabilities of inner optimizers and the strategy policy (``policy``), the
+Owns: the capabilities of inner optimizers and the strategy policy (``policy``), the
 immutable per-variable ``Layout`` (``layout``) and the ``Enforcer`` that
 carries one entry out around the inner update, with its optimizer variables
 (``enforcer``).

@@ -39,7 +39,8 @@ __all__ = [
     "refuse_unknown",
 ]
 
-#: 3 saves each variable's kind under "kind"; 2 (release 0.1) under "strategy"; 1 listed frozen paths only
+#: 3 saves each variable's kind under "kind" (and, for release 0.1's reader, under "strategy" too);
+#: 2 (release 0.1) under "strategy"; 1 listed frozen paths only
 LAYOUT_VERSION = 3
 
 
@@ -74,7 +75,7 @@ class VarLayout:
         return KINDS[self.kind].enforced
 
     def to_config(self) -> dict:
-        entry = {"path": self.path, "kind": self.kind, "shape": list(self.shape)}
+        entry = {"path": self.path, "kind": self.kind, "strategy": self.kind, "shape": list(self.shape)}
         if self.enforced:
             entry["n_trainable"] = int(self.n_trainable)
         if self.kind != Kind.FROZEN:
@@ -165,9 +166,16 @@ class Layout:
         """The layout a saved optimizer config records, matched to ``var_list`` by path.
 
         Raises:
-            PlanError: a variable of ``var_list`` is not in a version-2 layout.
+            PlanError: a variable of ``var_list`` is not in the layout (version 2 or later), or the
+                layout is newer than this release reads.
         """
-        legacy = config.get("version", 1) < 2  # release 1 listed frozen variables only: the others train
+        version = config.get("version", 1)
+        if version > LAYOUT_VERSION:
+            raise PlanError(
+                f"the saved freeze layout is version {version}, newer than this finefreeze reads "
+                f"({LAYOUT_VERSION}); upgrade finefreeze to load this model file."
+            )
+        legacy = version < 2  # release 1 listed frozen variables only: the others train
         entries = {e["path"]: e for e in config["variables"]}
         entries.update({p: {"path": p, "kind": Kind.FROZEN} for p in config.get("frozen", ())})
         pairs = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from finefreeze._backends.questions import keras_is_jax, keras_is_tensorflow
+from finefreeze._backends.questions import jax_has_int64, keras_is_jax, keras_is_tensorflow
 from finefreeze._errors import PlanError
 from finefreeze._kinds import Kind
 
@@ -110,11 +110,7 @@ def sparse_gradients(owner) -> bool:
 
 def _no_int64(size: int) -> bool:
     """Whether flat indices into ``size`` elements need int64 and the backend has no int64 (JAX without x64)."""
-    if index_dtype(size) != "int64" or not keras_is_jax():
-        return False
-    import jax
-
-    return not jax.config.jax_enable_x64
+    return index_dtype(size) == "int64" and keras_is_jax() and not jax_has_int64()
 
 
 def choose_kind(

@@ -1,4 +1,4 @@
-"""Delta files: only what training may have changed, as safetensors (format in ``_deltafile``).
+"""Delta files: only what training may have changed, as safetensors (format in ``deltafile``).
 
 A delta holds the values of trainable variables in full, and for partially
 frozen variables the flat indices and values of their trainable elements.

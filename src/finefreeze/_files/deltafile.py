@@ -6,7 +6,7 @@ Metadata entries (all strings, as safetensors requires):
   ``plan``: the plan as JSON (informational);
 - ``variables``: JSON ``{path: {shape, dtype, kind, frozen?}}``, ``kind``
   one of ``trainable``, ``untrained``, ``partial``, ``frozen``; ``frozen`` is
-  the digest of the variable's frozen part (see ``_delta``);
+  the digest of the variable's frozen part (see ``delta``);
 - ``tensors``: JSON ``{key: {dtype, shape, sha256}}`` for every stored tensor
   (``path`` for whole variables, ``path::index`` or ``path::runs`` and
   ``path::values`` for partially frozen ones);

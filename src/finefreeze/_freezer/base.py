@@ -45,29 +45,29 @@ class FreezerBase(abc.ABC):
 
     Args:
         plan: the :class:`Plan` (a list of rules is accepted too).
-        strategy: one of :attr:`strategies`.
+        strategy: one of the strategies this kind of Freezer enforces.
 
     Raises:
         PlanError: not a plan, or an unknown strategy.
     """
 
     #: the strategies this kind of Freezer enforces
-    strategies: tuple[str, ...] = STRATEGIES
+    _strategies: tuple[str, ...] = STRATEGIES
     #: how a report names the state of elements no rule selects, and the untrained variables
-    words: dict = KERAS_WORDS
+    _words: dict = KERAS_WORDS
     #: what the target is called in messages
-    target_word = "target"
+    _target_word = "target"
 
     def __init__(self, plan: Plan | list, strategy: str):
         self._plan_given = as_plan(plan)
-        if strategy not in self.strategies:
+        if strategy not in self._strategies:
             raise PlanError(self._strategy_refusal(strategy))
         self._strategy = strategy
         self._history: list[dict] = []
         self._res: Resolution | None = None
 
     def _strategy_refusal(self, strategy: str) -> str:
-        return f"unknown strategy {strategy!r}; choose one of {', '.join(self.strategies)}."
+        return f"unknown strategy {strategy!r}; choose one of {', '.join(self._strategies)}."
 
     # -- state ----------------------------------------------------------------
     @property
@@ -99,7 +99,7 @@ class FreezerBase(abc.ABC):
         if st is None:
             paths = [p for s in self._res.states for p in s.info.names]
             raise PlanError(
-                f"no variable with path {path!r} in this {self.target_word}; "
+                f"no variable with path {path!r} in this {self._target_word}; "
                 f"closest: {', '.join(closest(path, paths))}."
             )
         return st
@@ -149,7 +149,7 @@ class FreezerBase(abc.ABC):
     # -- reports -----------------------------------------------------------------
     def report(self) -> dict:
         """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`."""
-        return build_report(self, self.words)
+        return build_report(self, self._words)
 
     def summary(
         self,
@@ -174,7 +174,7 @@ class FreezerBase(abc.ABC):
         """
         rep = self.report()
         detailed = wants_detail(rep, variables) if detail is None else detail
-        text = format_summary(rep, variables=variables, words=self.words) if detailed else format_groups(rep)
+        text = format_summary(rep, variables=variables, words=self._words) if detailed else format_groups(rep)
         if print_fn is not None:
             print_fn(text)
         return text

@@ -57,6 +57,13 @@ class Freezer(FreezerBase):
         ['net/head/kernel', 'net/head/bias']
     """
 
+    @classmethod
+    def __subclasshook__(cls, other):
+        # ff.Freezer is the public type of every kind of Freezer (the graph Freezer shares the base, not the class)
+        if cls is Freezer and issubclass(other, FreezerBase):
+            return True
+        return NotImplemented
+
     def __new__(cls, *args: Any, **kwargs: Any):
         # tf.compat.v1 graph targets get a GraphFreezer; a graph exists only once TensorFlow is imported
         target = args[0] if args else kwargs.get("target")
@@ -65,7 +72,6 @@ class Freezer(FreezerBase):
             from finefreeze._tf1.target import is_graph_target
 
             if is_graph_target(target):
-                Freezer.register(GraphFreezer)  # isinstance(frz, ff.Freezer) holds for graph Freezers too
                 return GraphFreezer(*args, **kwargs)
         return super().__new__(cls)
 
@@ -323,7 +329,7 @@ class Freezer(FreezerBase):
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")
         strategy = strategy or self._strategy
-        if strategy not in self.strategies:
+        if strategy not in self._strategies:
             raise PlanError(self._strategy_refusal(strategy))
         layout = Layout.from_resolution(self._res, strategy, optimizer)
         opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy, _resolution=self._res, _layout=layout)

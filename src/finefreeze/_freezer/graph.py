@@ -5,7 +5,7 @@ is a ``tf.Graph`` (its ``TRAINABLE_VARIABLES`` collection), a graph variable
 or a list of them. Plans resolve with the same selectors, indices and rules
 as for Keras models; values (for ``where=``, the fingerprint and
 ``verify()``) are read through a ``tf.compat.v1.Session``, and the train op
-comes from :meth:`GraphFreezer.minimize` (``_graph_train.py``).
+comes from :meth:`GraphFreezer.minimize` (``_tf1.train``).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ class GraphFreezer(FreezerBase):
         ['head/w:0']
     """
 
-    strategies = ("auto", "restore")
-    words = GRAPH_WORDS
-    target_word = "graph"
+    _strategies = ("auto", "restore")
+    _words = GRAPH_WORDS
+    _target_word = "graph"
 
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", session=None):
         super().__init__(plan, strategy)

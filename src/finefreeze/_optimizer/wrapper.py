@@ -311,9 +311,9 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         return change.begin(self)
 
     @staticmethod
-    def undo_change(saved) -> None:
+    def undo_change(undo) -> None:
         """Undo a :meth:`commit_change`: attributes, variable lists and values as they were."""
-        change.undo(saved)
+        change.undo(undo)
 
     # -- applying ------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):

@@ -1,4 +1,4 @@
 """Room of selection from data: ``select`` and the scores it ranks by.
 
-May import: every room below ``_freezer`` and ``_freezer``.
+May import: ``_freezer`` and every room below it.
 """
