@@ -54,7 +54,11 @@ def _methods(cls):
             sig = (
                 ""
                 if isinstance(member, property)
-                else _signature(member).replace("(self, ", "(").replace("(self)", "()").replace("(cls, ", "(").replace("(cls)", "()")
+                else _signature(member)
+                .replace("(self, ", "(")
+                .replace("(self)", "()")
+                .replace("(cls, ", "(")
+                .replace("(cls)", "()")
             )
             yield name, sig, doc.splitlines()[0]
 

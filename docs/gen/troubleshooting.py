@@ -127,7 +127,20 @@ CASES = [
     (
         "A negative lr_scale",
         'ff.train("**/head/**", lr_scale=-1)',
-        "Scales are finite and >= 0; to stop training elements, `freeze` them (`lr_scale=0` is not freezing).",
+        "Scales are finite and > 0.",
+    ),
+    (
+        "lr_scale=0 instead of freeze",
+        'ff.train("**/head/**", lr_scale=0)',
+        "A zero step is not freezing: the elements would pay for gradients and optimizer state and escape "
+        "`verify()`. `freeze` them.",
+    ),
+    (
+        "An optimizer setting assigned on the wrapper",
+        'opt = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/**")])).wrap(keras.optimizers.Adam())\nopt.use_ema = True',
+        "Settings an optimizer acts on when it is built go to the inner optimizer's constructor; "
+        "`clipnorm`, `clipvalue`, `global_clipnorm` and `weight_decay` assigned on the wrapper reach the inner "
+        "optimizer by themselves.",
     ),
     (
         "An unknown strategy",
@@ -156,7 +169,7 @@ CASES = [
     ),
     (
         "Optimizer settings given to the wrapper",
-        'ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan(), clipnorm=1.0)',
+        "ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan(), clipnorm=1.0)",
         "Give `clipnorm`, `weight_decay`, `use_ema` and the like to the optimizer you wrap, as with "
         "Keras' `LossScaleOptimizer`: `frz.wrap(keras.optimizers.SGD(0.1, clipnorm=1.0))`.",
     ),
@@ -177,9 +190,9 @@ CASES = [
     (
         "An optimizer wrapped for one model, compiled on another",
         'opt = ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/**")])).wrap(keras.optimizers.Adam())\n'
-        "other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2, name=\"head\")], name=\"other\")\n"
+        'other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(2, name="head")], name="other")\n'
         'other.compile(optimizer=opt, loss="mse")\n'
-        'other.fit(np.ones((4, 5)), np.ones((4, 2)), verbose=0)',
+        "other.fit(np.ones((4, 5)), np.ones((4, 2)), verbose=0)",
         "Each model gets an optimizer from its own Freezer: `ff.Freezer(other, plan).wrap(...)`.",
     ),
     (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -9,7 +10,7 @@ import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.gradients import need_gradients
-from finefreeze._errors import PlanError
+from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._freezer.freezer import freezer_of
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
@@ -20,7 +21,7 @@ __all__ = ["Reselect"]
 
 
 class Reselect(keras.callbacks.Callback):
-    """Every ``every`` steps, swap part of the trained elements for better ones (SpIEL-style).
+    """At every multiple of ``every`` optimizer steps, swap part of the trained elements for better ones (SpIEL-style).
 
     In each partially frozen variable (say, from :func:`finefreeze.select`),
     the ``fraction`` of trained elements that moved least since training
@@ -84,6 +85,7 @@ class Reselect(keras.callbacks.Callback):
         self.data, self.every, self.fraction, self.batches = data, every, float(fraction), batches
         self.loss, self.batch_size, self._given = loss, batch_size, freezer
         self.swaps: list[dict] = []  #: per reselection: step and elements swapped per variable
+        self._resumable_warned = False
 
     def on_train_begin(self, logs=None):
         need_gradients("gradient")
@@ -97,18 +99,31 @@ class Reselect(keras.callbacks.Callback):
                 "Reselect: the plan has no partially frozen variable to reselect in; "
                 "start from a plan of element masks, e.g. ff.select(model, data, budget=0.01)."
             )
+        if frz.checkpoint_loads and not self._resumable_warned:
+            self._resumable_warned = True
+            warnings.warn(
+                "Reselect started after a checkpoint was loaded into the model (BackupAndRestore listed "
+                "before it, or load_weights): it measures how far elements moved from the restored "
+                "weights, not from where training began, so this run will not reselect as an "
+                "uninterrupted one. List Reselect before BackupAndRestore in callbacks=[...].",
+                FreezeWarning,
+                stacklevel=2,
+            )
         self._theta0 = [np.array(to_numpy(v), copy=True) for v in self._vars]
         self._cache: dict = {}  # the gradient accumulators and traced step, reused at every reselection
-        self._next = self._iterations() + self.every
+        self._next = None  # the next multiple of `every`, read at the first batch (after a restore)
 
     def _iterations(self) -> int:
         self.freezer.sync()  # JAX: fit keeps the state outside the variables during an epoch
         return int(to_numpy(self.model.optimizer.iterations))
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._iterations() >= self._next:
+        now = self._iterations()
+        if self._next is None:
+            self._next = (max(now - 1, 0) // self.every + 1) * self.every
+        if now >= self._next:
             self.reselect()
-            self._next = self._iterations() + self.every
+            self._next = (self._iterations() // self.every + 1) * self.every
 
     def reselect(self) -> Plan:
         """Swap elements now; return the plan put in force."""

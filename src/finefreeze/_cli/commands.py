@@ -1,7 +1,8 @@
 """The ``finefreeze`` command line: ``finetune``, ``inspect``, ``verify``, ``delta``.
 
 Exit codes: 0 ok, 1 verification failed, 2 bad input or environment (one
-line on stderr, no traceback; OS errors included), 130 interrupted (one
+line on stderr, no traceback; OS errors included), 130 interrupted by Ctrl-C and
+143 by SIGTERM (one
 line, no traceback, no stray files). Every command has ``--help``, which
 imports neither TensorFlow nor Keras. Every command runs on the Keras
 backend ``KERAS_BACKEND`` names (TensorFlow, JAX or PyTorch); TensorFlow's
@@ -18,7 +19,15 @@ import sys
 import tempfile
 
 from finefreeze._cli.inputs import check_model_file, load_model, load_plan, plan_from_keras_file
-from finefreeze._files.atomic import UserError, atomic_path, catch_interrupts, check_interrupt, refuse_overwrite
+from finefreeze._files.atomic import (
+    Terminated,
+    UserError,
+    atomic_path,
+    catch_interrupts,
+    check_interrupt,
+    exit_code,
+    refuse_overwrite,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -72,6 +81,7 @@ def cmd_finetune(args) -> int:
             verbose=0 if args.quiet else 1,
             print_fn=(lambda *a, **k: None) if args.quiet else print,
             selected=args.select is not None,
+            resume=args.resume,
         )
     print(result.line())
     return 0 if result.verified else 1
@@ -194,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
     ft.add_argument("--force", action="store_true", help="replace the files of a previous run in --out")
+    ft.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run in --out from its last finished epoch (same command line otherwise)",
+    )
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
     ft.add_argument(
         "--select",
@@ -275,11 +290,16 @@ def _backend_hint(e: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``finefreeze`` command; returns the exit code (0, 1, 2 or 130)."""
+    """Entry point of the ``finefreeze`` command; returns the exit code (0, 1, 2, 130 or 143).
+
+    With ``argv`` None the command is the whole process (the console
+    script): once it is done, Ctrl-C and SIGTERM are ignored, so the exit
+    status stays what the command returned.
+    """
     _quiet_tf()
     name = "finefreeze"
     try:
-        with catch_interrupts():
+        with catch_interrupts(own_process=argv is None):
             args = build_parser().parse_args(argv)
             name += f" {args.command}" + (f" {args.delta_command}" if args.command == "delta" else "")
             from finefreeze._errors import DeltaError, PlanError
@@ -305,9 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             check_interrupt()
             return code
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted; no file was left half-written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = " by SIGTERM" if isinstance(e, Terminated) else ""
+        print(f"{name}: interrupted{how}; no file was left half-written", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else exit_code()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,9 +9,11 @@ them, under a plan that trains only the new embedding rows and the head.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import sys
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,10 @@ import numpy as np
 from finefreeze._cli.inputs import check_model_file, load_data, load_model, load_plan, plan_from_keras_file
 from finefreeze._files.atomic import Staging, UserError, check_interrupt
 
-__all__ = ["finetune", "Result", "OUTPUTS"]
+__all__ = ["finetune", "Result", "OUTPUTS", "RESUME"]
+
+#: the folder in ``--out`` where a run keeps its resume point (Keras' BackupAndRestore) until its outputs are in place
+RESUME = ".finefreeze-resume"
 
 #: every name ``finetune`` may write in ``--out``
 OUTPUTS = (
@@ -128,12 +133,17 @@ def finetune(
     verbose: int = 1,
     print_fn=print,
     selected: bool = False,
+    resume: bool = False,
 ) -> Result:
     """Fine-tune under a plan; write the model, delta, report, TensorBoard log and picture.
 
     Every input is checked before the first slow step; every output is
     written in a hidden folder inside ``out`` and renamed into place at the
-    end, so an error or an interrupt leaves ``out`` as it was.
+    end, so an error or an interrupt leaves ``out`` as it was, apart from
+    the resume point: after every epoch the run saves its state in
+    ``out/.finefreeze-resume``, and ``resume=True`` (``--resume``) continues
+    an interrupted run from its last finished epoch, bit-identical to an
+    uninterrupted one. Staging folders of killed runs are removed.
     """
     from finefreeze._report.events import require_tensorboard
 
@@ -149,19 +159,160 @@ def finetune(
     the_plan = load_plan(plan, model_file=model_path)
     if data is not None and not os.path.exists(data):
         raise UserError(f"data file {data!r} does not exist")
+    settings = _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy)
+    _check_resume(out, settings, resume, force)
     with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json") as stage:
+        for name in stage.removed:
+            print(
+                f"finefreeze finetune: removed {os.path.join(out, name)}, left by a run that was killed "
+                f"(process {name.rsplit('-', 1)[1]} is gone)",
+                file=sys.stderr,
+            )
+        point = _resume_point(out, settings, resume)
         if selected:  # the plan --select chose is an output of this run
             shutil.copyfile(plan, stage.path("selected-plan.json"))
         what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"
         print_fn(f"finefreeze finetune: {what} ...", flush=True)
-        return _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn)
+        try:
+            result = _run(
+                stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn
+            )
+        except KeyboardInterrupt:
+            if not os.path.exists(os.path.join(point, "latest.weights.h5")):  # no epoch finished: nothing to resume
+                shutil.rmtree(point, ignore_errors=True)
+            raise
+        except Exception:
+            if not resume:  # an error, not an interrupt: there is nothing to resume
+                shutil.rmtree(point, ignore_errors=True)
+            raise
+        shutil.rmtree(point, ignore_errors=True)  # the outputs are in place: nothing left to resume
+        return result
 
 
-def _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn):
+def _digest(path: str | None) -> str | None:
+    if path is None:
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy) -> dict:
+    """What a resumed run must share with the interrupted one (files by their contents)."""
+    return {
+        "model": _digest(model_path),
+        "data": _digest(data),
+        "plan": _digest(plan),
+        "optimizer": optimizer,
+        "lr": lr,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "strategy": strategy,
+    }
+
+
+_WHAT = {"model": "MODEL", "data": "--data", "plan": "--plan/--select", "batch_size": "--batch-size"}
+
+
+def _check_resume(out: str, settings: dict, resume: bool, force: bool) -> None:
+    """Refuse (changing nothing) a ``--resume`` with nothing to resume or other settings, or a resume point left unasked."""
+    folder = os.path.join(out, RESUME)
+    if not resume:
+        if os.path.isdir(folder) and not force:
+            raise UserError(
+                f"--out {out!r} holds the resume point of an interrupted run{_done(folder)}; "
+                "pass --resume to continue it, or --force to start over"
+            )
+        return
+    try:
+        with open(os.path.join(folder, "settings.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(
+            f"--resume: --out {out!r} holds no interrupted run to resume (no {RESUME}/settings.json); "
+            "run without --resume"
+        ) from None
+    for key, now in settings.items():
+        if saved.get(key) != now:
+            what = _WHAT.get(key, f"--{key}")
+            then = saved.get(key)
+            detail = "another file" if key in ("model", "data", "plan") else f"{then!r} then, {now!r} now"
+            raise UserError(
+                f"--resume: the interrupted run in {out!r} had another {what} ({detail}); "
+                "resume with the same command line, or start over with --force"
+            )
+
+
+def _done(folder: str) -> str:
+    try:
+        with open(os.path.join(folder, "training_metadata.json")) as f:
+            return f" (after epoch {int(json.load(f)['epoch'])})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _resume_point(out: str, settings: dict, resume: bool) -> str:
+    """The folder of this run's resume point: kept when resuming, else made afresh with the settings."""
+    folder = os.path.join(out, RESUME)
+    if not resume:
+        shutil.rmtree(folder, ignore_errors=True)  # --force: start over
+        os.makedirs(folder)
+        with open(os.path.join(folder, "settings.json"), "w") as f:
+            json.dump(settings, f)
+    return folder
+
+
+def _done_epochs(point: str) -> int:
+    try:
+        with open(os.path.join(point, "training_metadata.json")) as f:
+            return int(json.load(f)["epoch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _shuffled(x, y, batch_size: int, epoch: int):
+    """The training batches, shuffled by a permutation drawn from the epoch number alone.
+
+    Keras' own shuffling draws each epoch's order from a random state that
+    the epochs before it advanced; a run resumed at epoch 3 would see
+    another order than an uninterrupted one. Here epoch ``e`` always sees
+    ``permutation(e)``, so a resumed run trains on the same batches.
+    """
+    import keras
+
+    class Epochs(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.epoch = epoch
+            self._order()
+
+        def _order(self):
+            self.order = np.random.default_rng([0, self.epoch]).permutation(len(x))
+
+        def __len__(self):
+            return -(-len(x) // batch_size)
+
+        def __getitem__(self, i):
+            rows = self.order[i * batch_size : (i + 1) * batch_size]
+            return x[rows], y[rows]
+
+        def on_epoch_end(self):
+            self.epoch += 1
+            self._order()
+
+    return Epochs()
+
+
+def _run(stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn):
+    import keras
+
     import finefreeze as ff
 
     opt = _optimizer(optimizer, lr)
     model = load_model(model_path)
+    keras.utils.set_random_seed(0)  # dropout and friends: the same command trains the same model
     if len(model.inputs) != 1 or len(model.outputs) != 1:
         raise UserError("finetune takes models with one input and one output; use the Python API for others")
     (x, y), val = load_data(data, model)
@@ -179,13 +330,16 @@ def _run(stage, model_path, data, the_plan, optimizer, lr, epochs, batch_size, s
     board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
     try:
         hist = model.fit(
-            x,
-            y,
+            _shuffled(x, y, batch_size, _done_epochs(point)),
             validation_data=val,
             epochs=epochs,
-            batch_size=batch_size,
+            shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
             verbose=verbose,
-            callbacks=[board, _stop_on_interrupt()],
+            callbacks=[
+                keras.callbacks.BackupAndRestore(point, delete_checkpoint=False, double_checkpoint=True),
+                board,
+                _stop_on_interrupt(),
+            ],
         )
     finally:
         board.on_train_end()  # closes the event file even when fit is interrupted (idempotent)

@@ -105,6 +105,22 @@ def refuse_unknown(res: Resolution, var_list) -> None:
             )
 
 
+def _twins(entries: dict, paths: list[str]) -> dict[str, list[dict]]:
+    """Entries of variables whose Keras path several variables share, in order, by that path.
+
+    Twin towers save their variables under scoped paths (``left/body/kernel``,
+    ``right/body/kernel``) while Keras calls both ``body/kernel``; both lists
+    follow the model's weight order, so the k-th variable of a shared path
+    takes the k-th entry that ends with it.
+    """
+    out = {}
+    for path in {p for p in paths if paths.count(p) > 1}:
+        near = [e for k, e in entries.items() if k.endswith("/" + path)]
+        if len(near) == paths.count(path):
+            out[path] = near
+    return out
+
+
 class Layout:
     """The layout of every variable one optimizer is built on (immutable).
 
@@ -132,11 +148,13 @@ class Layout:
         """Layout of every variable of ``res`` (and ``var_list``, which must all be in ``res``).
 
         Raises:
-            PlanError: ``strategy="compact"`` with an optimizer that is not elementwise, or a
+            PlanError: ``strategy="compact"`` with an optimizer that is not elementwise and a
+                partially frozen variable, or a
                 variable of ``var_list`` the resolution does not know.
         """
         why = compact_refusal(inner)
-        if strategy == "compact" and why is not None:
+        partial = any(res.kind_of(s) not in (FROZEN, UNTRAINED, TRAINABLE) for s in res.states)
+        if strategy == "compact" and why is not None and partial:  # nothing partial: nothing is compacted
             raise PlanError(
                 f"strategy='compact' would change the optimizer's maths ({why}): it would see a flat "
                 "vector of the trainable elements instead of the variable. Use strategy='restore' "
@@ -179,9 +197,15 @@ class Layout:
         entries = {e["path"]: e for e in config["variables"]}
         entries.update({p: {"path": p, "kind": Kind.FROZEN} for p in config.get("frozen", ())})
         pairs = []
+        twins = _twins(entries, [var_path(v) for v in var_list])
         for v in var_list:
             shape = tuple(int(d) for d in v.shape)
-            e = match_path(var_path(v), entries, "variable (in the saved freeze layout)")
+            path = var_path(v)
+            e = (
+                twins[path].pop(0)
+                if path in twins
+                else match_path(path, entries, "variable (in the saved freeze layout)")
+            )
             if e is None:
                 if not legacy:
                     raise PlanError(
@@ -195,7 +219,7 @@ class Layout:
             if scale == "per-element":  # the values arrive with the optimizer variables on load
                 scale = np.ones(shape, np.float32)
             n = e.get("n_trainable", int(np.prod(shape, dtype=np.int64)) if kind == Kind.TRAIN else 0)
-            pairs.append((v, VarLayout(var_path(v), shape, kind, None, int(n), scale)))
+            pairs.append((v, VarLayout(e["path"] if path in twins else path, shape, kind, None, int(n), scale)))
         return cls(pairs, strategy, legacy)
 
     def to_config(self) -> dict:

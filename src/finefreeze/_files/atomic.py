@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import sys
@@ -18,7 +19,11 @@ import threading
 from collections.abc import Iterable, Iterator
 
 __all__ = [
+    "Terminated",
     "UserError",
+    "exit_code",
+    "finished",
+    "remove_stale",
     "atomic_path",
     "Staging",
     "refuse_overwrite",
@@ -29,7 +34,12 @@ __all__ = [
     "interrupted",
 ]
 
-_interrupted = False
+_interrupted = 0  # the signal that interrupted the command (SIGINT or SIGTERM), else 0
+_finished = False  # the command's outputs are in place: a signal now changes nothing
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what clusters and container runtimes send before they stop a job), handled like Ctrl-C."""
 
 
 class UserError(Exception):
@@ -62,13 +72,22 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def interrupted() -> bool:
-    """Whether Ctrl-C came while :func:`catch_interrupts` was active."""
+def interrupted() -> int:
+    """The signal (``signal.SIGINT`` or ``SIGTERM``) that came while :func:`catch_interrupts` was active, else 0."""
     return _interrupted
 
 
+def exit_code() -> int:
+    """The exit status of an interrupted command: 143 after SIGTERM, 130 after Ctrl-C (128 + the signal)."""
+    return 128 + int(_interrupted or signal.SIGINT)
+
+
+def _raise() -> None:
+    raise Terminated if _interrupted == signal.SIGTERM else KeyboardInterrupt
+
+
 def check_interrupt() -> None:
-    """Raise ``KeyboardInterrupt`` if Ctrl-C came, even one Python swallowed on the way.
+    """Raise ``KeyboardInterrupt`` (:class:`Terminated` for SIGTERM) if a signal came, even one Python swallowed.
 
     Python raises ``KeyboardInterrupt`` wherever the program is; inside a
     weak-reference callback or a ``__del__`` it is printed and dropped. The
@@ -76,28 +95,49 @@ def check_interrupt() -> None:
     matter (every training batch, before each output is written, before the
     outputs are renamed into place) call this.
     """
-    if _interrupted:
-        raise KeyboardInterrupt
+    if _interrupted and not _finished:
+        _raise()
 
 
-def _on_sigint(signum, frame):
+def finished() -> None:
+    """Mark the command's outputs as complete and in place: a signal from now on is ignored.
+
+    The command then exits 0, as it finished, never 130 or death by the signal.
+    """
+    global _finished
+    _finished = True
+
+
+def _on_signal(signum, frame):
     global _interrupted
-    _interrupted = True
-    raise KeyboardInterrupt
+    if _finished:
+        return
+    _interrupted = signum
+    _raise()
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
-def catch_interrupts() -> Iterator[None]:
-    """Ctrl-C (SIGINT) sets the flag of :func:`check_interrupt` and raises ``KeyboardInterrupt``."""
-    global _interrupted
-    _interrupted = False
+def catch_interrupts(own_process: bool = False) -> Iterator[None]:
+    """Ctrl-C (SIGINT) and SIGTERM set the flag of :func:`check_interrupt` and raise ``KeyboardInterrupt``.
+
+    Args:
+        own_process: the command is the whole process (the console script):
+            on the way out both signals are ignored, so a signal during the
+            interpreter's shutdown cannot turn the exit status into death by
+            the signal.
+    """
+    global _interrupted, _finished
+    _interrupted, _finished = 0, False
     if not _main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, _on_sigint)
+    previous = {s: signal.signal(s, _on_signal) for s in _SIGNALS}
     hook = sys.unraisablehook
 
-    def quiet(unraisable):  # a Ctrl-C that landed in a callback: the flag carries it, not a traceback
+    def quiet(unraisable):  # an interrupt that landed in a callback: the flag carries it, not a traceback
         if not issubclass(unraisable.exc_type, KeyboardInterrupt):
             hook(unraisable)
 
@@ -105,13 +145,14 @@ def catch_interrupts() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_IGN if own_process else handler)
         sys.unraisablehook = hook
 
 
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) while the block runs; raise ``KeyboardInterrupt`` after it if one came."""
+    """Hold Ctrl-C and SIGTERM while the block runs; raise ``KeyboardInterrupt`` after it if one came."""
     if not _main_thread():
         yield
         return
@@ -119,16 +160,50 @@ def deferred_interrupts() -> Iterator[None]:
 
     def hold(signum, frame):
         global _interrupted
-        _interrupted = True
-        got.append(True)
+        if not _finished:
+            _interrupted = signum
+            got.append(signum)
 
-    previous = signal.signal(signal.SIGINT, hold)
+    previous = {s: signal.signal(s, hold) for s in _SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if got:
-        raise KeyboardInterrupt
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if got and not _finished:
+        _raise()
+
+
+def remove_stale(out: str) -> list[str]:
+    """Remove the staging folders in ``out`` of runs that were killed (their process is gone).
+
+    Only folders named ``.finefreeze-tmp-PID`` whose PID no longer runs are
+    removed: never a file, a link, or the folder of a live process.
+
+    Returns:
+        The names removed.
+    """
+    removed = []
+    for name in sorted(os.listdir(out)):
+        m = re.fullmatch(r"\.finefreeze-tmp-(\d+)", name)
+        path = os.path.join(out, name)
+        if m is None or os.path.islink(path) or not os.path.isdir(path) or int(m.group(1)) == os.getpid():
+            continue
+        if _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
 
 
 @contextlib.contextmanager
@@ -159,6 +234,7 @@ def atomic_path(path: str, *, force: bool = False, flag: str = "--force") -> Ite
         check_interrupt()
         with deferred_interrupts():
             os.replace(tmp, path)
+            finished()
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -201,6 +277,8 @@ class Staging:
             )
         self.created = not os.path.exists(self.out)
         os.makedirs(self.out, exist_ok=True)
+        #: staging folders of killed runs found in ``out`` and removed
+        self.removed = remove_stale(self.out)
         self.dir = os.path.join(self.out, f".finefreeze-tmp-{os.getpid()}")
         os.mkdir(self.dir)
         self.committed = False
@@ -226,6 +304,7 @@ class Staging:
                 elif os.path.lexists(final):
                     os.replace(final, os.path.join(trash, name))  # stale: a previous run wrote it, this one did not
             self.committed = True
+            finished()
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def cleanup(self) -> None:

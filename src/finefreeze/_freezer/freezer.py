@@ -17,7 +17,7 @@ from finefreeze._errors import FreezeWarning, FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
 from finefreeze._freezer.base import FreezerBase, as_plan
 from finefreeze._freezer.keras_flags import flag_changes, set_flags, warn_switched_off
-from finefreeze._freezer.reload import rebuild_freezer
+from finefreeze._freezer.reload import adopt_checkpoint, rebuild_freezer
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
 from finefreeze._resolve.fingerprint import take
@@ -84,6 +84,8 @@ class Freezer(FreezerBase):
         self._res = resolve(self._plan_given, self._target)
         self._wrapped: list = []  # weak references to optimizers made by wrap()
         self._earlier: list[tuple[str, str]] = []  # violations found at plan changes
+        #: how many checkpoints were loaded into the model's optimizer (``load_weights``, ``BackupAndRestore``)
+        self.checkpoint_loads = 0
         self.activate()
         self._record(0, retraced=False)
 
@@ -120,12 +122,17 @@ class Freezer(FreezerBase):
         """Make the Keras flags follow this Freezer's plan; refresh the fingerprint.
 
         Several Freezers may share a model; ``fit`` traces the flags of the one
-        created or activated last. A traced train function is rebuilt.
+        created or activated last. A traced train function is rebuilt, and an
+        optimizer of this Freezer built while another plan was in force is
+        rebuilt on this plan's variables (as :meth:`update` does). Training
+        with an optimizer whose plan is not in force warns (``FreezeWarning``).
 
         Returns:
             self.
         """
         set_flags(self._target, self._res)
+        if any(o.built and o.trains_outside() for o in self.optimizers()):
+            return self.update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
         self._retrace()
         self._fingerprint = self._take_fingerprint()
         return self
@@ -165,6 +172,15 @@ class Freezer(FreezerBase):
         sync = getattr(self._target.obj, "jax_state_sync", None)
         if sync is not None:
             sync()
+
+    def adopt_checkpoint(self, saved: dict, plan: dict | None, step: int) -> None:
+        """Put in force the masks a checkpoint saved (its optimizer's ``load_own_variables`` calls this)."""
+        adopt_checkpoint(self, saved, plan, step)
+
+    def trainable_variables_for_build(self) -> list:
+        """What ``fit`` builds the optimizer on: the model's trainable variables (or this Freezer's)."""
+        obj = self._target.obj
+        return list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
 
     def _retrace(self) -> None:
         obj = self._target.obj

@@ -22,7 +22,7 @@ from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 
-__all__ = ["masks_plan", "rebuild_freezer"]
+__all__ = ["adopt_checkpoint", "masks_plan", "plan_of_masks", "rebuild_freezer"]
 
 
 def _exact(path: str) -> str:
@@ -62,8 +62,13 @@ def _saved_masks(opt) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | fl
 
 def masks_plan(opt) -> Plan:
     """A plan that selects exactly the elements and scales a built optimizer enforces."""
+    return plan_of_masks(_saved_masks(opt))
+
+
+def plan_of_masks(saved: dict) -> Plan:
+    """A plan that selects exactly ``{path: (kind, frozen mask, scale)}``."""
     rules = []
-    for path, (kind, frozen, scale) in _saved_masks(opt).items():
+    for path, (kind, frozen, scale) in saved.items():
         sel = _exact(path)
         if kind == Kind.FROZEN:
             rules.append(freeze(sel))
@@ -117,3 +122,26 @@ def rebuild_freezer(cls, model, opt):
     opt.adopt_resolution(frz.resolution)
     frz._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan has been in force since before the save
     return frz
+
+
+def adopt_checkpoint(frz, saved: dict, plan_dict: dict | None, step: int) -> None:
+    """Put in force the masks a checkpoint was saved under (``Freezer.adopt_checkpoint``).
+
+    The saved plan is taken when it resolves to exactly the saved masks (so a
+    schedule recognises its stage), else a plan of the masks themselves.
+    Nothing changes when the plan in force already enforces them.
+    """
+    frz.checkpoint_loads += 1
+    if _same(frz.resolution, saved):
+        return
+    frz.rebase()  # the model's weights were loaded just before: they are the baseline now
+    plan = None
+    if plan_dict:
+        try:
+            candidate = Plan.from_dict(plan_dict)
+            if _same(resolve(candidate, frz.target), saved):
+                plan = candidate
+        except PlanError:
+            plan = None
+    frz.update(plan if plan is not None else plan_of_masks(saved))
+    frz._history[-1].update(step=step, resumed=True)

@@ -26,17 +26,17 @@ from finefreeze._enforce.layout import Layout, refuse_unknown
 from finefreeze._enforce.policy import inexact_reasons, refuse_nan
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._kinds import Kind
-from finefreeze._optimizer import change, migrate, norms
-from finefreeze._optimizer.arguments import refuse_arguments
+from finefreeze._optimizer import change, checkpoint, in_force, migrate, norms
+from finefreeze._optimizer.arguments import SettingsGoInside, refuse_arguments
 from finefreeze._plan.plan import Plan
 from finefreeze._resolve.resolve import resolve
-from finefreeze._resolve.targets import collect, var_path
+from finefreeze._resolve.targets import collect
 
 __all__ = ["FreezingOptimizer", "find_freezing_optimizer"]
 
 
 @keras.saving.register_keras_serializable(package="finefreeze")
-class FreezingOptimizer(keras.optimizers.Optimizer):
+class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
     """A Keras optimizer that keeps a plan's frozen elements bit-identical.
 
     Fully frozen variables get no gradient work and no optimizer state;
@@ -98,6 +98,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         self._inner_base = migrate.constructor_variables(inner_optimizer)
         self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))
         self._mask_warned = False
+        self._not_in_force_warned = False
         self._freezer_ref = None
         self._freezer_strong = None
         self.track_gradient_norms = False
@@ -131,10 +132,19 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
     def save_own_variables(self, store):
         with self._norms_untracked():
             super().save_own_variables(store)
+            if self.built and self._layout is not None:
+                checkpoint.write(store, checkpoint.record(self, self.variables))
 
     def load_own_variables(self, store):
+        """Load the saved state; a checkpoint written under another plan puts that plan in force first.
+
+        Raises:
+            PlanError: the checkpoint's masks do not resolve against this
+                optimizer's model, or its record is newer than this release.
+        """
         with self._norms_untracked():
-            super().load_own_variables(store)
+            if not checkpoint.load(self, store):
+                super().load_own_variables(store)
 
     @contextlib.contextmanager
     def _norms_untracked(self):
@@ -224,6 +234,7 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 "scope first (model.compile + fit do; in a custom loop call "
                 "opt.build(frz.trainable_variables) inside `with strategy.scope():`)."
             )
+        in_force.check_at_build(self, var_list)
         layout = self._layout_for(var_list)
         self._warn(layout)
         self._layout = layout
@@ -332,6 +343,8 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         enf = self._enforcers
+        if trainable_variables is not self._trainable_variables:
+            in_force.warn_not_in_force(self, trainable_variables)
         all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))
         inner_g, inner_v, pending, seen, writes, raw = [], [], [], set(), [], []
         for g, v in zip(grads, trainable_variables):
@@ -339,12 +352,9 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
                 continue
             e = enf.by_id.get(id(v))
             if e is None:
-                raise PlanError(
-                    f"FreezingOptimizer got a gradient for {var_path(v)!r}, a variable it was not built on "
-                    "(its plan was resolved against another model, or the model gained variables since). "
-                    "Compile each model with an optimizer from its own Freezer, created after the model "
-                    "is built: ff.Freezer(model, plan).wrap(...)."
-                )
+                if in_force.plan_freezes(self, v):  # handed in by another plan's flags: frozen here
+                    continue
+                raise in_force.not_built_on(self, v)
             if g is None and not all_steps:
                 continue
             seen.add(id(v))
@@ -371,6 +381,10 @@ class FreezingOptimizer(keras.optimizers.Optimizer):
         for e, ctx in pending:
             e.finish(ctx, writes)
         write_all(writes)
+
+    def trains_outside(self, var_list=None) -> list[str]:
+        """Paths its plan trains that are not in ``var_list`` (default: what it is built on)."""
+        return in_force.trains_outside(self, var_list)
 
     def finalize_variable_values(self, var_list):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):

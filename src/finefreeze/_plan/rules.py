@@ -167,9 +167,12 @@ def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
             or not math.isfinite(lr_scale)
             or lr_scale < 0
         ):
+            raise PlanError(f"train({selector!r}, lr_scale={lr_scale!r}): lr_scale must be a finite number > 0.")
+        if lr_scale == 0:
             raise PlanError(
-                f"train({selector!r}, lr_scale={lr_scale!r}): lr_scale must be a "
-                "finite number >= 0 (0 is not freezing: use freeze for that)."
+                f"train({selector!r}, lr_scale=0): a step scaled by 0 never moves, yet the elements would "
+                "count as trained (gradients, optimizer state, no verify()). To keep them fixed, "
+                f"freeze them: ff.freeze({selector!r})."
             )
         lr_scale = float(lr_scale)
     return Rule(action, sel, index, mask, indices, where, lr_scale)
@@ -248,7 +251,7 @@ def train(
         An immutable :class:`Rule`.
 
     Raises:
-        PlanError: as :func:`freeze`, or a negative / non-finite ``lr_scale``.
+        PlanError: as :func:`freeze`, or an ``lr_scale`` that is 0 (use :func:`freeze`), negative or not finite.
 
     Example:
         >>> import finefreeze as ff

@@ -291,7 +291,7 @@ def _check_hits(plan, target, hits, untrained_hits):
             why = "no variable path matches it"
             regex = getattr(rule.selector, "regex", None)
             if regex is not None and target.ambiguous:
-                why += ambiguity_note(regex, target.ambiguous)
+                why += ambiguity_note(regex, target.ambiguous).rstrip(".").replace(" The scoped", "; the scoped", 1)
         msg = (
             f"rule {i + 1} {rule!r} selects nothing: {why}. Closest existing "
             f"paths: {', '.join(closest(text, paths))}. Fix the selector, or "

@@ -77,7 +77,7 @@ def ambiguity_note(regex, ambiguous: dict[str, list[str]]) -> str:
     n = hits[0]
     return (
         f" The scoped name {n!r} is ambiguous (it names {', '.join(ambiguous[n])}), so selectors do not "
-        "use it; select by the variables' own paths or pass the layer instance."
+        "use it; select by the variables' own paths (scoped names where twins share one) or pass the layer instance."
     )
 
 

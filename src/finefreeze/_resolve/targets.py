@@ -212,8 +212,33 @@ def _collect_keras(root) -> Target:
     walk(root, ())
     order = {id(v): i for i, v in enumerate(root.weights)}
     infos.sort(key=lambda vi: order.get(id(vi.variable), len(order)))
+    _scope_twins(infos)
     ambiguous = drop_ambiguous_aliases(infos)
     return Target(root, "keras", infos, layers, ambiguous)
+
+
+def _scope_twins(infos: list[VarInfo]) -> None:
+    """Variables whose Keras paths coincide (two towers of one architecture) take their scoped names as paths.
+
+    Keras names ``left/body/kernel`` and ``right/body/kernel`` both
+    ``body/kernel`` when the towers were built before the model that holds
+    them. Names are scopes: each takes its scoped alias as its path, and the
+    shared Keras path stays a name of both (dropped as ambiguous, so a rule
+    written with it says which scoped names to use). Twins without distinct
+    scoped names are left for :func:`collect` to refuse.
+    """
+    by_path: dict[str, list[VarInfo]] = {}
+    for vi in infos:
+        by_path.setdefault(vi.path, []).append(vi)
+    real = set(by_path)
+    for path, group in by_path.items():
+        if len(group) < 2:
+            continue
+        scoped = [vi.names[1] if len(vi.names) > 1 else None for vi in group]
+        if None in scoped or len(set(scoped)) < len(scoped) or real & set(scoped):
+            continue
+        for vi, name in zip(group, scoped):
+            vi.path, vi.names = name, (name, path, *vi.names[2:])
 
 
 def _collect_list(variables) -> Target:

@@ -1,0 +1,155 @@
+"""The record a ``FreezingOptimizer`` saves beside its variables, so a checkpoint resumes across plan changes.
+
+Keras saves an optimizer's variables by position (``"0"``, ``"1"``, ...) and
+loads them only into an optimizer with as many variables; otherwise it warns
+("Skipping variable loading for optimizer") and the state restarts. A run
+restarted after a crash builds its optimizer for the plan it starts with,
+while the checkpoint holds the state of the plan in force when it was
+written (``GradualUnfreezing`` may have released three blocks since). So the
+optimizer writes one more entry, :data:`KEY`: a JSON record of the layout in
+force, the plan, the step, and where each enforcer's mask, index and scale
+sit among the saved variables. On load the record gives the saved masks, the
+Freezer puts exactly those in force (resolution, Keras flags, layout, inner
+optimizer rebuilt on the same variables), and then every variable loads by
+position, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+
+from finefreeze._backends.arrays import to_numpy
+from finefreeze._errors import FreezeWarning, PlanError
+from finefreeze._kinds import Kind
+
+__all__ = ["KEY", "load", "masks", "positional_keys", "read", "record", "write"]
+
+#: the store entry of the record (Keras' own entries are "0", "1", ...)
+KEY = "finefreeze_checkpoint"
+VERSION = 1
+_SLOTS = ("mask", "index", "scale")
+
+
+def record(opt, variables) -> dict:
+    """The record of a built optimizer whose saved variables are ``variables`` (in order)."""
+    where = {id(w): i for i, w in enumerate(variables)}
+    slots = {}
+    for e in opt.enforcers:
+        mine = {name: where[id(getattr(e, name))] for name in _SLOTS if getattr(e, name) is not None}
+        if mine:
+            slots[e.path] = mine
+    plan = opt.get_config()["plan"]
+    return {
+        "version": VERSION,
+        "layout": opt.layout.to_config(),
+        "slots": slots,
+        "plan": plan,
+        "step": int(to_numpy(opt.iterations)),
+    }
+
+
+def write(store, rec: dict) -> None:
+    store[KEY] = np.frombuffer(json.dumps(rec).encode("utf-8"), np.uint8)
+
+
+def read(store) -> dict | None:
+    """The record in ``store``, or None (a checkpoint of release 0.2 or older, or of plain Keras).
+
+    Raises:
+        PlanError: the record is newer than this release reads.
+    """
+    if store is None or KEY not in store.keys():
+        return None
+    rec = json.loads(np.asarray(store[KEY], np.uint8).tobytes().decode("utf-8"))
+    if rec.get("version", 0) > VERSION:
+        raise PlanError(
+            f"the checkpoint's freeze record is version {rec['version']}, newer than this finefreeze "
+            f"reads ({VERSION}); upgrade finefreeze to resume from it."
+        )
+    return rec
+
+
+def positional_keys(store) -> list[str]:
+    """Keras' own entries of ``store``: the variables by position."""
+    return [k for k in store.keys() if k != KEY]
+
+
+def masks(rec: dict, store) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | float]]:
+    """``{path: (kind, frozen mask or None, scale)}`` as the saving optimizer enforced them.
+
+    The same form as ``finefreeze._freezer.reload`` reads from a built optimizer.
+    """
+    out = {}
+    for entry in rec["layout"]["variables"]:
+        path, kind, shape = entry["path"], entry["kind"], tuple(entry["shape"])
+        if kind == Kind.FROZEN:
+            out[path] = ("frozen", None, 1.0)
+            continue
+        slots = rec["slots"].get(path, {})
+        frozen = index = None
+        if "mask" in slots:
+            frozen = np.asarray(store[str(slots["mask"])]).astype(bool).reshape(shape)
+        elif "index" in slots:
+            index = np.asarray(store[str(slots["index"])]).astype(np.int64)
+            frozen = np.ones(int(np.prod(shape, dtype=np.int64)), bool)
+            frozen[index] = False
+            frozen = frozen.reshape(shape)
+        scale: np.ndarray | float = float(entry.get("lr_scale", 1.0)) if entry.get("lr_scale") != "per-element" else 1.0
+        if "scale" in slots:
+            s = np.asarray(store[str(slots["scale"])]).astype(np.float32)
+            if s.ndim == 0:
+                scale = float(s)
+            elif "index" in slots:  # compact: one value per trainable element
+                full = np.ones(frozen.size, np.float32)
+                full[index] = s
+                scale = full.reshape(shape)
+            else:
+                scale = s.reshape(shape)
+        out[path] = ("partial" if frozen is not None else "train", frozen, scale)
+    return out
+
+
+def load(opt, store) -> bool:
+    """Load ``store`` into ``opt`` through its record; False when Keras' own loading should run instead.
+
+    With a record and a Freezer, the saved masks are put in force first, so
+    the variables line up by position; then the frozen baseline is taken
+    from the weights just loaded (the model's layers load before its
+    optimizer). Without a Freezer (an optimizer loaded with its model, whose
+    config already holds the saved layout) or a record, Keras loads by
+    position as usual.
+    """
+    rec = read(store)
+    frz = opt.freezer
+    if rec is None:
+        return False
+    if frz is None:
+        keys = positional_keys(store)
+        if len(keys) != len(opt.variables):
+            warnings.warn(
+                f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt.variables)} variables "
+                f"and the checkpoint {len(keys)}; a checkpoint written after a plan change loads into an "
+                "optimizer made by a Freezer (frz.wrap) of the model.",
+                FreezeWarning,
+                stacklevel=4,
+            )
+            return True
+    elif not opt.built:  # a custom loop loading before its first step
+        opt.build(frz.trainable_variables_for_build())
+    if frz is not None:
+        frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0))
+    keys = positional_keys(store)
+    if len(keys) != len(opt.variables):
+        raise PlanError(
+            f"the checkpoint holds {len(keys)} optimizer variables for its plan, but the optimizer has "
+            f"{len(opt.variables)} once that plan is in force: it was written by another optimizer "
+            f"(this one wraps {type(opt.inner_optimizer).__name__}). Resume with the optimizer the run started with."
+        )
+    for i, variable in enumerate(opt.variables):
+        variable.assign(store[str(i)])
+    if frz is not None:
+        frz.rebase()
+    return True

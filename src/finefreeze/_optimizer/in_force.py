@@ -1,0 +1,98 @@
+"""Whether the plan a ``FreezingOptimizer`` enforces is the one the model's Keras flags follow.
+
+Several Freezers may share a model (a GAN's two halves), and ``fit`` hands
+the optimizer the model's trainable variables: those of the Freezer created
+or activated last. An optimizer whose plan is not the one in force would
+silently skip what its plan trains, so it warns (``FreezeWarning``), naming
+``activate()``: when it is built (the start of the first ``fit``) and when a
+new trace hands it another list. The plan is not put in force for the user:
+inside ``fit`` the step is already being traced with the flags it has, and
+which of several plans should train is the user's call.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from finefreeze._backends.questions import keras_is_jax
+from finefreeze._errors import FreezeWarning, PlanError
+from finefreeze._resolve.resolve import PARTIAL, TRAINABLE
+from finefreeze._resolve.targets import var_path
+
+__all__ = ["check_at_build", "not_built_on", "plan_freezes", "trains_outside", "warn_not_in_force"]
+
+
+def trains_outside(opt, var_list=None) -> list[str]:
+    """Paths ``opt``'s plan trains that are not in ``var_list`` (default: what it is built on)."""
+    res = opt._resolution
+    if res is None:
+        return []
+    var_list = opt._trainable_variables if var_list is None else var_list
+    given = {id(v) for v in var_list} | {id(getattr(v, "value", v)) for v in var_list}
+    return [s.path for s in res.trainable_states if id(s.variable) not in given and id(s.info.raw) not in given]
+
+
+def check_at_build(opt, var_list) -> None:
+    """At build: warn when ``var_list`` leaves out what the plan trains; refuse it where training cannot run.
+
+    Keras' JAX trainer pairs the gradients of the model's trainable
+    variables with the list the optimizer was built on, so there the
+    mismatch would end in a raw ``ValueError`` at the first step: it is a
+    ``PlanError`` now, with the fix.
+
+    Raises:
+        PlanError: on JAX, the plan is not the one in force.
+    """
+    missing = trains_outside(opt, var_list)
+    if missing and keras_is_jax() and opt.freezer is not None:
+        raise PlanError(_message(opt, missing, "would not train"))
+    warn_not_in_force(opt, var_list)
+
+
+def _message(opt, missing, consequence: str) -> str:
+    frz = opt.freezer
+    which = f" (plan {frz.plan.rules[0]!r}, ...)" if frz is not None and frz.plan.rules else ""
+    more = ", ..." if len(missing) > 3 else ""
+    return (
+        f"the plan this optimizer enforces is not the one in force: {len(missing)} variable(s) it trains "
+        f"are not among the variables training hands it ({', '.join(missing[:3])}{more}), so they {consequence}. "
+        "The model's Keras flags follow another Freezer (created or activated after this optimizer's); call "
+        f".activate() on this optimizer's Freezer{which} before fit."
+    )
+
+
+def warn_not_in_force(opt, var_list) -> None:
+    """Warn once when ``var_list`` (what training hands ``opt``) leaves out variables its plan trains."""
+    if opt._not_in_force_warned:
+        return
+    missing = trains_outside(opt, var_list)
+    if not missing:
+        return
+    opt._not_in_force_warned = True
+    warnings.warn(
+        _message(opt, missing, "would not train"),
+        FreezeWarning,
+        stacklevel=4,
+    )
+
+
+def not_built_on(opt, v) -> PlanError:
+    """The error for a gradient of ``v``, a variable ``opt`` was not built on."""
+    if opt._resolution is not None and opt._resolution.lookup(v) is not None:  # trains: plan_freezes is False
+        return PlanError(
+            f"FreezingOptimizer got a gradient for {var_path(v)!r}, which its plan trains but it was "
+            "not built on: it was built while another Freezer's plan was in force (Keras flags follow "
+            "the Freezer created or activated last). Call .activate() on this optimizer's Freezer."
+        )
+    return PlanError(
+        f"FreezingOptimizer got a gradient for {var_path(v)!r}, a variable it was not built on "
+        "(its plan was resolved against another model, or the model gained variables since). "
+        "Compile each model with an optimizer from its own Freezer, created after the model "
+        "is built: ff.Freezer(model, plan).wrap(...)."
+    )
+
+
+def plan_freezes(opt, v) -> bool:
+    """Whether ``opt``'s plan knows ``v`` and freezes it whole."""
+    st = opt._resolution.lookup(v) if opt._resolution is not None else None
+    return st is not None and st.state not in (TRAINABLE, PARTIAL)

@@ -1,0 +1,134 @@
+"""The command line under real signals: SIGTERM like Ctrl-C, killed runs cleaned up, ``--resume`` bit for bit.
+
+Clusters and container runtimes send SIGTERM before they stop a job, and
+SIGKILL when it does not stop in time. Each test here sends the real signal
+to a real ``finefreeze`` process.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from finefreeze._files.atomic import Staging
+from test_cli_outputs import wait_for  # noqa: E402  (tests/ is on the path)
+
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+
+
+def cli(*args):
+    cmd = [sys.executable, "-m", "finefreeze", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def epochs_saved(out) -> int:
+    try:
+        with open(os.path.join(out, ".finefreeze-resume", "training_metadata.json")) as f:
+            return int(json.load(f)["epoch"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def staging_folders(out):
+    return sorted(d for d in os.listdir(out) if d.startswith(".finefreeze-tmp-"))
+
+
+def weights_and_state(path):
+    import finefreeze  # noqa: F401  (registers the bundled model's layers)
+
+    model = keras.models.load_model(path)
+    return [np.asarray(w).tobytes() for w in model.get_weights()] + [
+        np.asarray(keras.ops.convert_to_numpy(v)).tobytes() for v in model.optimizer.variables
+    ]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """A model file, data and plan for runs of a few seconds with 64 steps per epoch."""
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model, make_data
+
+    d = tmp_path_factory.mktemp("job")
+    build_text_model().save(d / "base.keras")
+    (d / "plan.json").write_text(json.dumps(DEFAULT_PLAN))
+    x, y = make_data(4096, new_tokens=True, seed=3)
+    np.savez(d / "data.npz", x=x, y=y)
+    return ["finetune", d / "base.keras", "--data", d / "data.npz", "--plan", d / "plan.json", "--epochs", 5, "-q"]
+
+
+@pytest.mark.slow
+def test_sigterm_then_sigkill_then_resume_ends_as_the_uninterrupted_run(job, tmp_path):
+    straight = tmp_path / "straight"
+    code, _, err = finish(cli(*job, "--out", straight))
+    assert code == 0, err[-3000:]
+
+    out = tmp_path / "out"
+    proc = cli(*job, "--out", out)
+    wait_for(proc, lambda: epochs_saved(out) >= 1, "the first epoch")
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == 143, err[-3000:]
+    assert "interrupted by SIGTERM; no file was left half-written" in err
+    assert staging_folders(out) == [] and os.listdir(out) == [".finefreeze-resume"]
+
+    code, _, err = finish(cli(*job, "--out", out))  # not asked to resume: refused, nothing lost
+    assert code == 2 and "holds the resume point of an interrupted run" in err and "--resume" in err
+
+    proc = cli(*job, "--out", out, "--resume")
+    wait_for(proc, lambda: epochs_saved(out) >= 3, "the third epoch")
+    proc.send_signal(signal.SIGKILL)  # no handler runs: the staging folder stays behind
+    code, _, _ = finish(proc)
+    assert code == -signal.SIGKILL
+    left = staging_folders(out)
+    assert left == [f".finefreeze-tmp-{proc.pid}"]
+
+    code, stdout, err = finish(cli(*job, "--out", out, "--resume"))
+    assert code == 0, err[-3000:]
+    assert err.strip() == (
+        f"finefreeze finetune: removed {out / left[0]}, left by a run that was killed (process {proc.pid} is gone)"
+    )
+    assert sorted(os.listdir(out)) == sorted(os.listdir(straight))  # no staging folder, no resume point
+    assert weights_and_state(out / "tuned.keras") == weights_and_state(straight / "tuned.keras")
+    assert (out / "delta.safetensors").read_bytes() != b""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
+def test_a_signal_after_the_last_line_never_changes_the_exit_status(delay):
+    proc = cli("inspect", "--json")
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.rstrip() == "}":  # the report is complete
+            break
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    code, rest, err = finish(proc)
+    assert code == 0, err[-2000:]
+    assert json.loads("".join(lines) + rest)["totals"]["trainable_elements"] > 0
+
+
+def test_only_staging_folders_of_dead_processes_are_removed(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    (tmp_path / f".finefreeze-tmp-{dead}").mkdir()
+    (tmp_path / f".finefreeze-tmp-{dead}" / "tuned.keras").write_bytes(b"partial")
+    (tmp_path / f".finefreeze-tmp-{os.getppid()}").mkdir()  # a live process's: never touched
+    (tmp_path / ".finefreeze-tmp-notapid").mkdir()
+    (tmp_path / f".finefreeze-tmp-{dead}0").write_text("a file, not a staging folder")
+    (tmp_path / "mine.txt").write_text("the user's")
+    with Staging(tmp_path, ["report.json"], force=False, inputs=()) as stage:
+        assert stage.removed == [f".finefreeze-tmp-{dead}"]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [f".finefreeze-tmp-{os.getppid()}", ".finefreeze-tmp-notapid", f".finefreeze-tmp-{dead}0", "mine.txt"]
+    )
