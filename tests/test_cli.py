@@ -54,7 +54,9 @@ def test_finetune_on_bundled_defaults_writes_everything(tuned_dir):
     for name in ("base.keras", "tuned.keras", "delta.safetensors", "report.json", "frozen.png"):
         assert (out / name).is_file(), name
     assert any(f.name.startswith("events.out.tfevents") for f in (out / "tensorboard").iterdir())
-    assert "Freeze plan:" in proc.stdout and "Epoch 1/2" in proc.stdout  # summary, Keras progress bar
+    assert "Freeze plan:" in proc.stdout and "Epoch 1/2" in proc.stdout  # summary, Keras progress
+    assert "\x1b[" not in proc.stdout  # stdout is a pipe: one line per epoch, no cursor codes in a log
+    assert "AdamW state" in proc.stdout  # the summary names the optimizer that trains
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "finefreeze finetune: pretraining the bundled text model ..."  # before any slow step
     last = lines[-1]
@@ -89,6 +91,15 @@ def test_verify_passes_then_names_a_flipped_frozen_value(tuned_dir, tmp_path):
     bad = run_cli("verify", out / "base.keras", tmp_path / "tampered.keras", "--plan", plan_file(tmp_path))
     assert bad.returncode == 1, bad.stderr[-2000:]
     assert "ff_in/kernel" in bad.stdout and "(3, 5)" in bad.stdout and "1 frozen element" in bad.stdout
+
+
+@pytest.mark.slow
+def test_verify_with_its_arguments_swapped_says_so(tuned_dir, capsys):
+    out, _ = tuned_dir
+    assert main(["verify", str(out / "tuned.keras"), str(out / "base.keras")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the order is `finefreeze verify BASE TUNED`" in err and "did you mean" in err
+    assert err.endswith(f"`finefreeze verify {out / 'base.keras'} {out / 'tuned.keras'}`?")
 
 
 def plan_file(tmp_path):

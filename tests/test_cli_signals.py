@@ -78,7 +78,7 @@ def test_sigterm_then_sigkill_then_resume_ends_as_the_uninterrupted_run(job, tmp
     proc.send_signal(signal.SIGTERM)
     code, _, err = finish(proc)
     assert code == 143, err[-3000:]
-    assert "interrupted by SIGTERM; no file was left half-written" in err
+    assert "interrupted by SIGTERM; no file was left half-written; rerun the same command with --resume" in err
     assert staging_folders(out) == [] and os.listdir(out) == [".finefreeze-resume"]
 
     code, _, err = finish(cli(*job, "--out", out))  # not asked to resume: refused, nothing lost
@@ -99,6 +99,8 @@ def test_sigterm_then_sigkill_then_resume_ends_as_the_uninterrupted_run(job, tmp
     )
     assert sorted(os.listdir(out)) == sorted(os.listdir(straight))  # no staging folder, no resume point
     assert weights_and_state(out / "tuned.keras") == weights_and_state(straight / "tuned.keras")
+    report = json.loads((out / "report.json").read_text())["finetune"]
+    assert report["resumed_after_epoch"] >= 3 and len(report["history"]["loss"]) == 5 - report["resumed_after_epoch"]
     assert (out / "delta.safetensors").read_bytes() != b""
 
 
@@ -122,13 +124,23 @@ def test_only_staging_folders_of_dead_processes_are_removed(tmp_path):
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)
     (tmp_path / f".finefreeze-tmp-{dead}").mkdir()
+    (tmp_path / f".finefreeze-tmp-{dead}" / ".finefreeze-staging").write_text(f"{dead}\n")  # a staging folder
     (tmp_path / f".finefreeze-tmp-{dead}" / "tuned.keras").write_bytes(b"partial")
+    (tmp_path / f".finefreeze-tmp-{dead + 1}").mkdir()  # the user's folder of that name: no mark
+    (tmp_path / f".finefreeze-tmp-{dead + 1}" / "notes.txt").write_text("mine")
     (tmp_path / f".finefreeze-tmp-{os.getppid()}").mkdir()  # a live process's: never touched
+    (tmp_path / f".finefreeze-tmp-{os.getppid()}" / ".finefreeze-staging").write_text(f"{os.getppid()}\n")
     (tmp_path / ".finefreeze-tmp-notapid").mkdir()
     (tmp_path / f".finefreeze-tmp-{dead}0").write_text("a file, not a staging folder")
     (tmp_path / "mine.txt").write_text("the user's")
     with Staging(tmp_path, ["report.json"], force=False, inputs=()) as stage:
         assert stage.removed == [f".finefreeze-tmp-{dead}"]
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [f".finefreeze-tmp-{os.getppid()}", ".finefreeze-tmp-notapid", f".finefreeze-tmp-{dead}0", "mine.txt"]
+        [
+            f".finefreeze-tmp-{os.getppid()}",
+            f".finefreeze-tmp-{dead + 1}",
+            ".finefreeze-tmp-notapid",
+            f".finefreeze-tmp-{dead}0",
+            "mine.txt",
+        ]
     )

@@ -1,5 +1,6 @@
 """Plans are immutable, chainable, and round-trip through dicts and files."""
 
+import keras
 import numpy as np
 import pytest
 
@@ -110,3 +111,22 @@ def test_batchnorm_survives_every_plan_file_format(tmp_path):
     for suffix in (".json", ".toml", ".yaml"):
         plan.save(tmp_path / f"p{suffix}")
         assert ff.Plan.load(tmp_path / f"p{suffix}") == plan, suffix
+
+
+def test_two_integer_lists_in_one_index_are_refused_with_both_spellings():
+    """numpy pairs ``[[0, 1], [0, 1]]`` into (0, 0), (1, 1); an outer product would take a 2 x 2 block."""
+    with pytest.raises(ff.PlanError) as got:
+        ff.train("**/d/kernel[[0, 1], [0, 1]]")
+    msg = str(got.value)
+    assert "numpy would select the 2 elements (0, 0), (1, 1)" in msg
+    assert "ff.train('**/d/kernel', indices=[(0, 0), (1, 1)])" in msg
+    assert "m[np.ix_([0, 1], [0, 1])] = True" in msg
+    with pytest.raises(ff.PlanError, match="2 integer lists"):
+        ff.freeze("w[[0, 2], 1, [3, 4, 5]]")
+    # one list is an axis selection, as before; the spelled-out pairs select what numpy would
+    w = keras.Variable(np.zeros((3, 3), "float32"), name="w")
+    frz = ff.Freezer([w], ff.Plan([ff.freeze("w"), ff.train("w", indices=[(0, 0), (1, 1)]), ff.train("w[[2], :]")]))
+    want = np.zeros((3, 3), bool)
+    want[[0, 1], [0, 1]] = True
+    want[2, :] = True
+    assert np.array_equal(~frz.frozen_mask("w"), want)

@@ -3,6 +3,7 @@
 import re
 
 import keras
+import numpy as np
 import pytest
 
 import finefreeze as ff
@@ -46,3 +47,16 @@ def test_densenet_summary_stays_readable_and_the_report_keeps_everything():
     frozen_line = next(line for line in text.splitlines() if line.startswith("Frozen as layers"))
     assert f"({len(rep['frozen_layers'])} layers; all in report()['frozen_layers'])" in frozen_line
     assert len(rep["frozen_layers"]) > 100 and repr(long_rule) in rep["plan"]
+
+
+def test_the_state_column_names_the_wrapped_optimizer_on_every_path():
+    w = keras.Variable(np.zeros((4, 4), "float32"), name="w")
+    frz = ff.Freezer([w], ff.Plan([ff.freeze("w[0]")]))
+    assert "state (Adam)" in frz.summary()  # before any wrap: what auto assumes
+    frz.wrap(keras.optimizers.SGD(0.1))  # the wrapper dropped at once
+    assert "SGD state" in frz.summary() and "Adam" not in frz.summary()
+    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
+    f2 = ff.Freezer(m, ff.Plan([ff.freeze("**/d/bias")]))
+    m.compile(optimizer=f2.wrap(keras.optimizers.AdamW()), loss="mse")
+    keep = f2.wrap(keras.optimizers.Lion())  # wrapped last, but AdamW is what trains the model
+    assert "AdamW state" in f2.summary() and keep is not None

@@ -26,6 +26,7 @@ from finefreeze._files.atomic import (
     catch_interrupts,
     check_interrupt,
     exit_code,
+    finished,
     refuse_overwrite,
 )
 
@@ -107,6 +108,7 @@ def cmd_inspect(args) -> int:
         print(json.dumps(frz.report(), indent=2))
     else:
         print(frz.summary(variables=not args.layers_only))
+    finished()  # the report is out: a signal while the model is torn down changes nothing
     return 0
 
 
@@ -116,6 +118,12 @@ def cmd_verify(args) -> int:
 
     check_model_file(args.base)
     check_model_file(args.tuned)
+    if args.plan is None and plan_from_keras_file(args.tuned) is None and plan_from_keras_file(args.base) is not None:
+        raise UserError(
+            f"{args.tuned!r} holds no finefreeze plan but {args.base!r} does: the order is "
+            f"`finefreeze verify BASE TUNED` (the model fine-tuning started from first); "
+            f"did you mean `finefreeze verify {args.tuned} {args.base}`?"
+        )
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
     base, tuned = load_model(args.base), load_model(args.tuned)
     frz = Freezer(tuned, plan)
@@ -125,9 +133,11 @@ def cmd_verify(args) -> int:
         print(f"FAILED: frozen elements differ between {args.base} and {args.tuned}:")
         for path, where in e.violations:
             print(f"  {path}: {where}")
+        finished()
         return 1
     t = frz.report()["totals"]
     print(f"OK: all {t['frozen_elements']:,} frozen elements of {args.tuned} are bit-identical to {args.base}")
+    finished()
     return 0
 
 
@@ -282,10 +292,24 @@ def _backend_hint(e: Exception) -> str:
     missing = (getattr(e, "name", None) or "").split(".")[0]
     if not str(e).startswith("Unable to import backend") and missing not in _BACKEND_MODULES:
         return ""
+    import importlib.util
+
     chosen = os.environ.get("KERAS_BACKEND", "tensorflow (Keras' default, or ~/.keras/keras.json)")
+    failed = os.environ.get("KERAS_BACKEND", "tensorflow")
+
+    def findable(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    installed = [b for b in ("tensorflow", "jax", "torch") if b != failed and findable(b)]
+    if installed:
+        fix = " or ".join(f"KERAS_BACKEND={b}" for b in installed)
+        return f" (the Keras backend is KERAS_BACKEND={chosen}, which cannot load; installed here: {fix})"
     return (
-        f" (the Keras backend is KERAS_BACKEND={chosen}: set KERAS_BACKEND to an installed backend, "
-        "tensorflow, jax or torch, or install one: pip install 'finefreeze[jax]')"
+        f" (the Keras backend is KERAS_BACKEND={chosen}: no backend is installed; "
+        "pip install 'finefreeze[cpu]' (TensorFlow), 'finefreeze[jax]' or 'finefreeze[torch]')"
     )
 
 
@@ -327,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             return code
     except KeyboardInterrupt as e:
         how = " by SIGTERM" if isinstance(e, Terminated) else ""
-        print(f"{name}: interrupted{how}; no file was left half-written", file=sys.stderr)
+        more = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
+        print(f"{name}: interrupted{how}; no file was left half-written{more}", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else exit_code()
 
 

@@ -147,7 +147,6 @@ def finetune(
     """
     from finefreeze._report.events import require_tensorboard
 
-    require_tensorboard("finefreeze finetune")
     if epochs < 1 or batch_size < 1 or not lr > 0:
         raise UserError(f"--epochs ({epochs}), --batch-size ({batch_size}) and --lr ({lr}) must be positive")
     if model_path is not None:
@@ -156,11 +155,12 @@ def finetune(
             raise UserError(f"--plan PLAN is required with a model file ({model_path!r} holds no plan)")
         if data is None:
             raise UserError("--data DATA.npz is required with a model file")
-    the_plan = load_plan(plan, model_file=model_path)
     if data is not None and not os.path.exists(data):
         raise UserError(f"data file {data!r} does not exist")
     settings = _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy)
-    _check_resume(out, settings, resume, force)
+    _check_resume(out, settings, resume, force)  # before anything loads a framework: a refusal is quick
+    require_tensorboard("finefreeze finetune")
+    the_plan = load_plan(plan, model_file=model_path)
     with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json") as stage:
         for name in stage.removed:
             print(
@@ -172,14 +172,18 @@ def finetune(
         if selected:  # the plan --select chose is an output of this run
             shutil.copyfile(plan, stage.path("selected-plan.json"))
         what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"
+        if resume:
+            what += f", to resume after epoch {_done_epochs(point)}"
         print_fn(f"finefreeze finetune: {what} ...", flush=True)
         try:
             result = _run(
                 stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn
             )
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             if not os.path.exists(os.path.join(point, "latest.weights.h5")):  # no epoch finished: nothing to resume
                 shutil.rmtree(point, ignore_errors=True)
+            else:  # the interrupt line says how to go on
+                e.add_note(f"rerun the same command with --resume to continue after epoch {_done_epochs(point)}")
             raise
         except Exception:
             if not resume:  # an error, not an interrupt: there is nothing to resume
@@ -264,6 +268,14 @@ def _resume_point(out: str, settings: dict, resume: bool) -> str:
     return folder
 
 
+def _terminal() -> bool:
+    """Whether stdout is a terminal (Keras' progress bar writes cursor codes that a log file keeps)."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def _done_epochs(point: str) -> int:
     try:
         with open(os.path.join(point, "training_metadata.json")) as f:
@@ -322,19 +334,20 @@ def _run(stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_
     if model_path is None:
         model.save(stage.path("base.keras"))
         files["base"] = os.path.join(out, "base.keras")
-    print_fn(frz.summary(variables=False))
     loss, metrics = loss_for(model, y)
     model.compile(optimizer=frz.wrap(opt), loss=loss, metrics=metrics)
+    print_fn(frz.summary(variables=False))  # after wrap: its state column names the optimizer
     name = metrics[0] if metrics else "loss"
     before = _metric(model, val, batch_size, name)
     board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
+    first_epoch = _done_epochs(point)
     try:
         hist = model.fit(
-            _shuffled(x, y, batch_size, _done_epochs(point)),
+            _shuffled(x, y, batch_size, first_epoch),
             validation_data=val,
             epochs=epochs,
             shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
-            verbose=verbose,
+            verbose=2 if verbose == 1 and not _terminal() else verbose,  # a log gets one line per epoch
             callbacks=[
                 keras.callbacks.BackupAndRestore(point, delete_checkpoint=False, double_checkpoint=True),
                 board,
@@ -389,6 +402,7 @@ def _run(stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_
         "lr": lr,
         "epochs": epochs,
         "batch_size": batch_size,
+        "resumed_after_epoch": first_epoch,  # history holds the epochs this run trained
     }
     with open(stage.path("report.json"), "w") as f:
         json.dump(rep, f, indent=2, default=_json_default)

@@ -177,8 +177,10 @@ def deferred_interrupts() -> Iterator[None]:
 def remove_stale(out: str) -> list[str]:
     """Remove the staging folders in ``out`` of runs that were killed (their process is gone).
 
-    Only folders named ``.finefreeze-tmp-PID`` whose PID no longer runs are
-    removed: never a file, a link, or the folder of a live process.
+    Only folders named ``.finefreeze-tmp-PID`` that hold the mark a staging
+    folder writes first (naming the same PID), and whose PID no longer runs,
+    are removed: never a file, a link, a folder of the user's that happens
+    to have such a name, or the folder of a live process.
 
     Returns:
         The names removed.
@@ -189,11 +191,26 @@ def remove_stale(out: str) -> list[str]:
         path = os.path.join(out, name)
         if m is None or os.path.islink(path) or not os.path.isdir(path) or int(m.group(1)) == os.getpid():
             continue
-        if _alive(int(m.group(1))):
+        if _alive(int(m.group(1))) or not _ours(path, m.group(1)):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(name)
     return removed
+
+
+_MARK = ".finefreeze-staging"
+
+
+def _ours(path: str, pid: str) -> bool:
+    """Whether ``path`` holds the mark a staging folder of process ``pid`` writes first."""
+    mark = os.path.join(path, _MARK)
+    try:
+        if os.path.islink(mark):
+            return False
+        with open(mark) as f:
+            return f.read().strip() == pid
+    except OSError:
+        return False
 
 
 def _alive(pid: int) -> bool:
@@ -281,6 +298,8 @@ class Staging:
         self.removed = remove_stale(self.out)
         self.dir = os.path.join(self.out, f".finefreeze-tmp-{os.getpid()}")
         os.mkdir(self.dir)
+        with open(os.path.join(self.dir, _MARK), "w") as f:  # what remove_stale recognises as ours
+            f.write(f"{os.getpid()}\n")
         self.committed = False
 
     def path(self, name: str) -> str:

@@ -20,6 +20,7 @@ from finefreeze._freezer.keras_flags import flag_changes, set_flags, warn_switch
 from finefreeze._freezer.reload import adopt_checkpoint, rebuild_freezer
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
+from finefreeze._report.state_size import describe
 from finefreeze._resolve.fingerprint import take
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
@@ -86,6 +87,8 @@ class Freezer(FreezerBase):
         self._earlier: list[tuple[str, str]] = []  # violations found at plan changes
         #: how many checkpoints were loaded into the model's optimizer (``load_weights``, ``BackupAndRestore``)
         self.checkpoint_loads = 0
+        #: the class and config of the optimizer wrapped last (the summary's state column names it)
+        self.last_wrapped = None
         self.activate()
         self._record(0, retraced=False)
 
@@ -352,6 +355,7 @@ class Freezer(FreezerBase):
         opt.refuse_nan(layout)
         opt.bind_freezer(self)
         self._wrapped.append(weakref.ref(opt))
+        self.last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
         return opt
 
     def _honour_keras_flags(self) -> None:

@@ -43,10 +43,18 @@ def check_at_build(opt, var_list) -> None:
     Raises:
         PlanError: on JAX, the plan is not the one in force.
     """
+    if _foreign(opt, var_list):
+        return  # another model's variables: the layout refuses them, with its own message
     missing = trains_outside(opt, var_list)
     if missing and keras_is_jax() and opt.freezer is not None:
         raise PlanError(_message(opt, missing, "would not train"))
     warn_not_in_force(opt, var_list)
+
+
+def _foreign(opt, var_list) -> bool:
+    """Whether ``var_list`` holds a variable ``opt``'s plan was not resolved against (another model's)."""
+    res = opt._resolution
+    return res is not None and any(res.lookup(v) is None for v in var_list)
 
 
 def _message(opt, missing, consequence: str) -> str:
@@ -63,7 +71,7 @@ def _message(opt, missing, consequence: str) -> str:
 
 def warn_not_in_force(opt, var_list) -> None:
     """Warn once when ``var_list`` (what training hands ``opt``) leaves out variables its plan trains."""
-    if opt._not_in_force_warned:
+    if opt._not_in_force_warned or _foreign(opt, var_list):
         return
     missing = trains_outside(opt, var_list)
     if not missing:

@@ -1,8 +1,11 @@
 """Numpy-style element indexing written after a path: ``kernel[0:10, ::2]``.
 
 A suffix is parsed once into an immutable :class:`IndexSpec`; applying it to a
-shape gives one integer array per axis, combined as an outer product
-(``np.ix_``), so ``[[0, 5], [1, 2]]`` picks a 2x2 block, never pairs.
+shape gives one integer array per axis. At most one axis may be an integer
+list: with two, numpy pairs the lists where an outer product would take
+every combination, and a reader of the plan cannot tell which was meant, so
+``kernel[[0, 1], [0, 1]]`` is a ``PlanError`` that shows both spellings
+(``indices=[(0, 0), (1, 1)]`` for the pairs, a mask for the block).
 """
 
 from __future__ import annotations
@@ -113,7 +116,31 @@ def parse_index(suffix: str, selector: str, offset: int) -> IndexSpec:
         PlanError: bad syntax, with a caret under the offending column.
     """
     p = _Parser(suffix, selector, offset)
-    return IndexSpec(p.parse(), suffix)
+    items = p.parse()
+    lists = [it[1] for it in items if it[0] == "list"]
+    if len(lists) > 1:
+        raise _paired_lists(selector, suffix, items, lists)
+    return IndexSpec(items, suffix)
+
+
+def _paired_lists(selector: str, suffix: str, items, lists) -> PlanError:
+    """The error for two integer lists in one suffix: numpy pairs them, an outer product would not."""
+    base = selector[: len(selector) - len(suffix)] if selector.endswith(suffix) else selector
+    same = len({len(v) for v in lists}) == 1
+    if same and len(lists) == len(items):
+        pairs = ", ".join(str(tuple(int(x) for x in t)) for t in zip(*lists))
+        numpy = f"numpy would select the {len(lists[0])} elements {pairs} (pairs, one from each list)"
+        fix = f"for those elements write ff.train({base!r}, indices=[{pairs}])"
+    else:
+        numpy = "numpy would pair the lists element by element (advanced indexing)"
+        fix = "for single elements write indices=[(i, j, ...), ...]"
+    ix = ", ".join(str(list(v)) for v in lists)
+    return PlanError(
+        f"selector {selector!r} has {len(lists)} integer lists in one index: {numpy}, while an outer "
+        f"product would take every combination (a block). finefreeze does not guess: {fix}; for the "
+        f"block write a mask: m = np.zeros(shape, bool); m[np.ix_({ix})] = True; "
+        f"ff.train({base!r}, mask=m) (or slices such as [0:2, 0:2] where the indices are contiguous)."
+    )
 
 
 class _Parser:

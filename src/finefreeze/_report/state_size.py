@@ -16,7 +16,7 @@ import json
 
 import numpy as np
 
-__all__ = ["optimizer_state"]
+__all__ = ["describe", "optimizer_state"]
 
 _PROBE = 7  # a vector length no optimizer scalar has
 
@@ -42,7 +42,8 @@ def optimizer_state(frz) -> tuple[str, int | None]:
 
     Returns:
         ``("Adam state", 2)`` and the like; the count is None when it cannot
-        be measured. Before any ``wrap``: ``("state (Adam)", 2)``.
+        be measured. The optimizer is the one compiled into the model, else
+        the one wrapped last. Before any ``wrap``: ``("state (Adam)", 2)``.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff
@@ -53,13 +54,30 @@ def optimizer_state(frz) -> tuple[str, int | None]:
         >>> _ = frz.wrap(keras.optimizers.SGD(0.1, momentum=0.9))
         >>> optimizer_state(frz)
         ('SGD state', 1)
+        >>> _ = frz.wrap(keras.optimizers.AdamW())   # the wrapper dropped at once: still named
+        >>> optimizer_state(frz)
+        ('AdamW state', 2)
     """
     opts = frz.optimizers()
-    if not opts:
+    compiled = getattr(getattr(getattr(frz, "target", None), "obj", None), "optimizer", None)
+    while compiled is not None and compiled not in opts:
+        compiled = getattr(compiled, "inner_optimizer", None)  # through a LossScaleOptimizer
+    if compiled is not None:
+        cls, config = describe(compiled.inner_optimizer)
+    elif opts:
+        cls, config = describe(opts[-1].inner_optimizer)
+    elif getattr(frz, "last_wrapped", None) is not None:  # wrapped, and the wrapper already dropped
+        cls, config = frz.last_wrapped
+    else:
         return "state (Adam)", 2
-    inner = opts[-1].inner_optimizer
+    if config is None:  # pragma: no cover - an unserializable custom config
+        return f"{cls.__name__} state", None
+    return f"{cls.__name__} state", _slots(cls, config)
+
+
+def describe(inner) -> tuple[type, str | None]:
+    """An inner optimizer's class and its config as sorted JSON (None when it does not serialize)."""
     try:
-        config = json.dumps(inner.get_config(), sort_keys=True, default=str)
+        return type(inner), json.dumps(inner.get_config(), sort_keys=True, default=str)
     except Exception:  # pragma: no cover - an unserializable custom config
-        return f"{type(inner).__name__} state", None
-    return f"{type(inner).__name__} state", _slots(type(inner), config)
+        return type(inner), None
