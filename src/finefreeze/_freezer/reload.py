@@ -17,6 +17,7 @@ import numpy as np
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import PlanError
 from finefreeze._kinds import Kind
+from finefreeze._optimizer.checkpoint import enforced
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import PARTIAL, resolve
@@ -38,25 +39,8 @@ def _saved_masks(opt) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | fl
         if entry.kind == Kind.FROZEN or enf is None:
             out[entry.path] = ("frozen", None, 1.0)
             continue
-        frozen = None
-        if enf.mask is not None:
-            frozen = to_numpy(enf.mask).astype(bool)
-        elif enf.index is not None:
-            frozen = np.ones(int(np.prod(enf.shape, dtype=np.int64)), bool)
-            frozen[to_numpy(enf.index).astype(np.int64)] = False
-            frozen = frozen.reshape(enf.shape)
-        scale: np.ndarray | float = 1.0
-        if enf.scale is not None:
-            s = to_numpy(enf.scale).astype(np.float32)
-            if s.ndim == 0:
-                scale = float(s)
-            elif enf.index is not None:  # compact: one value per trainable element
-                full = np.ones(frozen.size, np.float32)
-                full[to_numpy(enf.index).astype(np.int64)] = s
-                scale = full.reshape(enf.shape)
-            else:
-                scale = s
-        out[entry.path] = ("partial" if frozen is not None else "train", frozen, scale)
+        arrays = [None if w is None else to_numpy(w) for w in (enf.mask, enf.index, enf.scale)]
+        out[entry.path] = enforced(enf.shape, *arrays)
     return out
 
 

@@ -25,7 +25,7 @@ from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._kinds import Kind
 
-__all__ = ["KEY", "load", "masks", "positional_keys", "read", "record", "write"]
+__all__ = ["KEY", "enforced", "load", "masks", "positional_keys", "read", "record", "write"]
 
 #: the store entry of the record (Keras' own entries are "0", "1", ...)
 KEY = "finefreeze_checkpoint"
@@ -89,27 +89,43 @@ def masks(rec: dict, store) -> dict[str, tuple[str, np.ndarray | None, np.ndarra
             out[path] = ("frozen", None, 1.0)
             continue
         slots = rec["slots"].get(path, {})
-        frozen = index = None
-        if "mask" in slots:
-            frozen = np.asarray(store[str(slots["mask"])]).astype(bool).reshape(shape)
-        elif "index" in slots:
-            index = np.asarray(store[str(slots["index"])]).astype(np.int64)
-            frozen = np.ones(int(np.prod(shape, dtype=np.int64)), bool)
-            frozen[index] = False
-            frozen = frozen.reshape(shape)
-        scale: np.ndarray | float = float(entry.get("lr_scale", 1.0)) if entry.get("lr_scale") != "per-element" else 1.0
-        if "scale" in slots:
-            s = np.asarray(store[str(slots["scale"])]).astype(np.float32)
-            if s.ndim == 0:
-                scale = float(s)
-            elif "index" in slots:  # compact: one value per trainable element
-                full = np.ones(frozen.size, np.float32)
-                full[index] = s
-                scale = full.reshape(shape)
-            else:
-                scale = s.reshape(shape)
-        out[path] = ("partial" if frozen is not None else "train", frozen, scale)
+        arrays = {name: np.asarray(store[str(i)]) for name, i in slots.items()}
+        default = entry.get("lr_scale", 1.0)
+        out[path] = enforced(shape, arrays.get("mask"), arrays.get("index"), arrays.get("scale"), default)
     return out
+
+
+def enforced(shape, mask, index, scale, default=1.0) -> tuple[str, np.ndarray | None, np.ndarray | float]:
+    """``(kind, frozen mask or None, scale)`` from an enforcer's mask, compact index and scale values.
+
+    Args:
+        shape: the model variable's shape.
+        mask: the bool frozen mask (``restore``, ``mask``), or None.
+        index: the flat indices of the trainable elements (``compact``), or None.
+        scale: the ``lr_scale`` values (a scalar, one per element, or one per
+            compact element), or None for ``default``.
+        default: the layout's scale when no scale values exist (``"per-element"`` counts as 1).
+    """
+    frozen = None
+    if mask is not None:
+        frozen = np.asarray(mask).astype(bool).reshape(shape)
+    elif index is not None:
+        index = np.asarray(index).astype(np.int64)
+        frozen = np.ones(int(np.prod(shape, dtype=np.int64)), bool)
+        frozen[index] = False
+        frozen = frozen.reshape(shape)
+    out: np.ndarray | float = 1.0 if default == "per-element" else float(default)
+    if scale is not None:
+        s = np.asarray(scale).astype(np.float32)
+        if s.ndim == 0:
+            out = float(s)
+        elif index is not None:  # compact: one value per trainable element
+            full = np.ones(frozen.size, np.float32)
+            full[index] = s
+            out = full.reshape(shape)
+        else:
+            out = s.reshape(shape)
+    return ("partial" if frozen is not None else "train", frozen, out)
 
 
 def load(opt, store) -> bool:

@@ -71,7 +71,11 @@ def _message(opt, missing, consequence: str) -> str:
 
 def warn_not_in_force(opt, var_list) -> None:
     """Warn once when ``var_list`` (what training hands ``opt``) leaves out variables its plan trains."""
-    if opt._not_in_force_warned or _foreign(opt, var_list):
+    key = tuple(id(v) for v in var_list)
+    if opt._not_in_force_warned or key == opt._in_force_checked:
+        return  # PyTorch's eager trainer hands the same list at every step: checked once
+    opt._in_force_checked = key
+    if _foreign(opt, var_list):
         return
     missing = trains_outside(opt, var_list)
     if not missing:

@@ -99,6 +99,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))
         self._mask_warned = False
         self._not_in_force_warned = False
+        self._in_force_checked = None  # the variable list last checked (ids)
         self._freezer_ref = None
         self._freezer_strong = None
         self.track_gradient_norms = False
