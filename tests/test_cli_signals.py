@@ -144,3 +144,21 @@ def test_only_staging_folders_of_dead_processes_are_removed(tmp_path):
             "mine.txt",
         ]
     )
+
+
+def test_an_error_a_signal_caused_inside_a_library_is_the_interrupt(monkeypatch, capsys):
+    """Python raises ``KeyboardInterrupt`` wherever the program is; a library may turn it into its own error."""
+    from finefreeze._cli import commands
+
+    def command_hit_inside_a_library(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise TypeError("int() argument must be a string, not 'TensorShape'") from None
+        return 0
+
+    monkeypatch.setattr(commands, "cmd_inspect", command_hit_inside_a_library)
+    assert commands.main(["inspect"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; no file was left half-written" in err and "TypeError" not in err

@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                 check_interrupt()
                 print(f"{name}: error: {_os_error(e)}", file=sys.stderr)
                 return 2
+            except Exception:
+                check_interrupt()  # whatever a signal broke on its way in is the interrupt, not a traceback
+                raise
             check_interrupt()
             return code
     except KeyboardInterrupt as e:
