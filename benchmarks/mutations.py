@@ -155,6 +155,27 @@ MUTATIONS = [
         "        return None",
         "tests/test_seams.py -k load_model",
     ),
+    (
+        "step counts: a released element kept on the global count",
+        "_optimizer/ages.py",
+        "        with counting(o, born.value):\n            return plain(gradient, variable, learning_rate)",
+        "        return plain(gradient, variable, learning_rate)",
+        "tests/test_fresh_state.py",
+    ),
+    (
+        "step counts: released elements' counts not carried through a change",
+        "_optimizer/ages.py",
+        "        born = np.where(kept, before[pos], step)",
+        "        born = np.full(new.size, step, np.int64)",
+        "tests/test_fresh_state.py",
+    ),
+    (
+        "step counts: not restored from a checkpoint",
+        "_optimizer/checkpoint.py",
+        "            ages.write(opt, e, np.asarray(store[str(i)]))",
+        "            pass",
+        "tests/test_fresh_state.py -k checkpoint",
+    ),
 ]
 
 

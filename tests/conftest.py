@@ -24,6 +24,7 @@ BACKEND_NEUTRAL = {
     "test_dynamic.py",
     "test_errors.py",
     "test_faults.py",
+    "test_fresh_state.py",
     "test_index.py",
     "test_keras_flags.py",
     "test_lr_scale.py",

@@ -75,6 +75,7 @@ class Enforcer:
     mask: Any = None  # bool optimizer variable (True = frozen): restore, mask
     index: Any = None  # int32/int64 optimizer variable of trainable flat indices: compact
     shadow: Any = None  # flat optimizer variable of trainable values: compact
+    born: Any = None  # int32 optimizer variable: the step its elements were released at (see optimizer.ages)
 
     @property
     def inner_variable(self):
@@ -128,9 +129,10 @@ class Enforcers:
         self.frozen_ids: set[int] = set(frozen_ids)
         self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
         self.state = state  # the inner optimizer's state by variable (optimizer.migrate.StateMap)
+        self.aged = None  # {id(inner optimizer): {variable key: born}}, made by optimizer.ages when needed
 
     def own_variables(self) -> set[int]:
-        return {id(w) for e in self.ordered for w in (e.mask, e.index, e.shadow, e.scale) if w is not None}
+        return {id(w) for e in self.ordered for w in (e.mask, e.index, e.shadow, e.scale, e.born) if w is not None}
 
 
 def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:

@@ -146,10 +146,7 @@ class Freezer(FreezerBase):
         return self._target
 
     def rebase(self) -> None:
-        """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint).
-
-        ``FreezeSchedule`` and ``GradualUnfreezing`` call it when ``BackupAndRestore`` restored the weights.
-        """
+        """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
         self.sync()
         self._fingerprint = self._take_fingerprint()
 
@@ -211,11 +208,9 @@ class Freezer(FreezerBase):
         ``lr_scale`` changes of variables that stay partially frozen take
         effect without retracing. Variable-level changes set the Keras flags,
         rebuild the optimizers' per-variable state around the same inner
-        optimizer (state kept for every element that stays trainable,
-        ``iterations`` and every optimizer setting kept, zero moments and an
-        EMA average equal to the current value for newly trainable elements,
-        state released for what stops training) and retrace the train
-        function.
+        optimizer and retrace the train function. Elements that keep training
+        keep their state; released ones get a fresh optimizer's (zero moments,
+        an EMA average equal to their value, a step count from now on).
         ``verify()`` keeps checking what was frozen before the change, up to
         the change, and checks newly frozen elements from now on. ``fit``
         picks up the retraced function itself; a custom loop wraps its step
@@ -247,14 +242,13 @@ class Freezer(FreezerBase):
         plan = as_plan(plan)
         self.sync()
         res = resolve(plan, self._target)
-        obj = self._target.obj
         opts = self.optimizers()
         old = self._res
         # Everything that can refuse the plan runs before anything changes.
         self._res = res
         try:
             flags_changed = set_flags(self._target, self._res)
-            var_list = list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
+            var_list = self.trainable_variables_for_build()
             layouts = [opt.prepare_change(res, var_list) for opt in opts]
         except Exception:
             self._res = old
@@ -332,12 +326,15 @@ class Freezer(FreezerBase):
             self._fingerprint.verify(reference=collect(reference))
 
     # -- optimizer -------------------------------------------------------------
-    def wrap(self, optimizer: keras.optimizers.Optimizer, *, strategy: str | None = None) -> FreezingOptimizer:
+    def wrap(
+        self, optimizer: keras.optimizers.Optimizer, *, strategy: str | None = None, step_count: str = "release"
+    ) -> FreezingOptimizer:
         """Return a :class:`FreezingOptimizer` around ``optimizer`` for this plan.
 
         Args:
             optimizer: a Keras optimizer (not a ``LossScaleOptimizer``).
             strategy: overrides the Freezer's strategy.
+            step_count: ``"release"`` (a released element counts steps from its release) or ``"global"``.
 
         Returns:
             The wrapping ``FreezingOptimizer``.
@@ -351,7 +348,9 @@ class Freezer(FreezerBase):
         if strategy not in self._strategies:
             raise PlanError(self._strategy_refusal(strategy))
         layout = Layout.from_resolution(self._res, strategy, optimizer)
-        opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy, _resolution=self._res, _layout=layout)
+        opt = FreezingOptimizer(
+            optimizer, self._res.plan, strategy=strategy, step_count=step_count, _resolution=self._res, _layout=layout
+        )
         opt.refuse_nan(layout)
         opt.bind_freezer(self)
         self._wrapped.append(weakref.ref(opt))

@@ -44,7 +44,7 @@ def refuse_late_setting(inner_optimizer, name: str, value) -> None:
     )
 
 
-def refuse_arguments(wrapper: type, inner_optimizer, plan, strategy: str, kwargs: dict) -> None:
+def refuse_arguments(wrapper: type, inner_optimizer, plan, strategy: str, kwargs: dict, step_count="release") -> None:
     """Raise unless ``wrapper(inner_optimizer, plan, strategy=strategy, **kwargs)`` is well formed.
 
     ``wrapper`` is the ``FreezingOptimizer`` class (it may not wrap itself).
@@ -52,7 +52,7 @@ def refuse_arguments(wrapper: type, inner_optimizer, plan, strategy: str, kwargs
     Raises:
         TypeError: a setting or unknown argument, or an inner optimizer of the wrong kind.
         ValueError: the inner optimizer is already built.
-        PlanError: unknown strategy, or ``plan`` is not a Plan.
+        PlanError: unknown strategy or step count, or ``plan`` is not a Plan.
     """
     if kwargs:
         settings = set(inspect.signature(BaseOptimizer.__init__).parameters)
@@ -60,7 +60,7 @@ def refuse_arguments(wrapper: type, inner_optimizer, plan, strategy: str, kwargs
         if unknown:
             raise TypeError(
                 f"FreezingOptimizer got unknown argument(s) {', '.join(unknown)}; it takes "
-                "(inner_optimizer, plan=None, *, strategy='auto', name=None)."
+                "(inner_optimizer, plan=None, *, strategy='auto', step_count='release', name=None)."
             )
         names = ", ".join(sorted(kwargs))
         example = ", ".join(f"{k}=..." for k in sorted(kwargs))
@@ -92,6 +92,8 @@ def refuse_arguments(wrapper: type, inner_optimizer, plan, strategy: str, kwargs
         )
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+    if step_count not in ("release", "global"):
+        raise PlanError(f"unknown step_count {step_count!r}; choose 'release' (from each release) or 'global'.")
     if plan is not None and not isinstance(plan, Plan):
         raise PlanError(f"plan must be an ff.Plan, got {type(plan).__name__}.")
 

@@ -17,7 +17,7 @@ from finefreeze._enforce.enforcer import Enforcer, elements, scale_value
 from finefreeze._enforce.layout import Layout
 from finefreeze._enforce.policy import family
 from finefreeze._kinds import Kind
-from finefreeze._optimizer import migrate
+from finefreeze._optimizer import ages, migrate
 
 __all__ = ["begin", "carry", "held", "in_place", "rebuild", "undo"]
 
@@ -27,13 +27,16 @@ def carry(opt, e: Enforcer, held) -> None:
     idx = elements(e, trained_only=False)
     values = to_numpy(e.variable).reshape(-1)[idx]
     migrate.carry(opt._enforcers.state, e.inner_variable, idx, values, held)
+    ages.write(opt, e, ages.recount(opt, e, None if held is None else (held.elements, held.born)))
 
 
 def held(opt, e: Enforcer) -> migrate.Held:
     """The state of ``e``'s trained elements now."""
-    return migrate.snapshot(
+    got = migrate.snapshot(
         opt._enforcers.state, e.inner_variable, elements(e, trained_only=True), e.kind == Kind.COMPACT
     )
+    got.born = ages.held(e)
+    return got
 
 
 def in_place(opt, layout: Layout, var_list) -> bool:
@@ -54,6 +57,8 @@ def in_place(opt, layout: Layout, var_list) -> bool:
             scale is not None and tuple(scale.shape) != tuple(enf.scale.shape)
         ):
             return False
+        if not ages.fits(enf, ages.recount_layout(opt, e, enf)):
+            return False  # a first release into it needs a new optimizer variable
         todo.append((enf, e, scale))
     for enf, e, scale in todo:
         if enf.kind in (Kind.RESTORE, Kind.MASK) and not np.array_equal(to_numpy(enf.mask), e.mask.dense()):

@@ -8,7 +8,7 @@ while the checkpoint holds the state of the plan in force when it was
 written (``GradualUnfreezing`` may have released three blocks since). So the
 optimizer writes one more entry, :data:`KEY`: a JSON record of the layout in
 force, the plan, the step, and where each enforcer's mask, index and scale
-sit among the saved variables. On load the record gives the saved masks, the
+(and release steps, see ``optimizer.ages``) sit among the saved variables. On load the record gives the saved masks, the
 Freezer puts exactly those in force (resolution, Keras flags, layout, inner
 optimizer rebuilt on the same variables), and then every variable loads by
 position, bit for bit.
@@ -24,13 +24,14 @@ import numpy as np
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._kinds import Kind
+from finefreeze._optimizer import ages, migrate
 
-__all__ = ["KEY", "enforced", "load", "masks", "positional_keys", "read", "record", "write"]
+__all__ = ["KEY", "born_as_saved", "enforced", "load", "masks", "positional_keys", "read", "record", "write"]
 
 #: the store entry of the record (Keras' own entries are "0", "1", ...)
 KEY = "finefreeze_checkpoint"
 VERSION = 1
-_SLOTS = ("mask", "index", "scale")
+_SLOTS = ("mask", "index", "scale", "born")
 
 
 def record(opt, variables) -> dict:
@@ -143,6 +144,7 @@ def load(opt, store) -> bool:
     if rec is None:
         return False
     if frz is None:
+        born_as_saved(opt, rec, store)
         keys = positional_keys(store)
         if len(keys) != len(opt.variables):
             warnings.warn(
@@ -157,6 +159,7 @@ def load(opt, store) -> bool:
         opt.build(frz.trainable_variables_for_build())
     if frz is not None:
         frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0))
+        born_as_saved(opt, rec, store)
     keys = positional_keys(store)
     if len(keys) != len(opt.variables):
         raise PlanError(
@@ -169,3 +172,30 @@ def load(opt, store) -> bool:
     if frz is not None:
         frz.rebase()
     return True
+
+
+def born_as_saved(opt, rec: dict, store) -> None:
+    """Give each enforcer the release-step variable the checkpoint holds for it, in the saved order.
+
+    They are the last of the optimizer's own variables, made as the releases
+    came; the values load by position with the rest.
+    """
+    enforcers = list(opt.enforcers)
+    migrate.untrack(opt, [e.born for e in enforcers if e.born is not None])
+    for e in enforcers:
+        e.born = None
+    saved = sorted((slots["born"], path) for path, slots in rec["slots"].items() if "born" in slots)
+    for i, path in saved:
+        e = _same_path(path, enforcers)
+        if e is not None:
+            ages.write(opt, e, np.asarray(store[str(i)]))
+    opt._enforcers.aged = None
+
+
+def _same_path(path: str, enforcers):
+    """The enforcer of ``path``; a model loaded on its own names its variables without the outer model's name."""
+    exact = [e for e in enforcers if e.path == path]
+    if exact:
+        return exact[0]
+    near = [e for e in enforcers if path.endswith("/" + e.path) or e.path.endswith("/" + path)]
+    return near[0] if len(near) == 1 else None

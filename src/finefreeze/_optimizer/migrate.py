@@ -160,6 +160,7 @@ class Held:
     elements: np.ndarray  # sorted flat indices of the elements the values belong to
     per_element: dict[str, np.ndarray]
     per_variable: dict[str, np.ndarray]
+    born: np.ndarray | None = None  # the release step of each of ``elements`` (None: all trained from step 0)
 
 
 def snapshot(state: StateMap, inner_variable, elements: np.ndarray, compact: bool) -> Held:

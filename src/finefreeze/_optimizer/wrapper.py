@@ -26,7 +26,7 @@ from finefreeze._enforce.layout import Layout, refuse_unknown
 from finefreeze._enforce.policy import inexact_reasons, refuse_nan
 from finefreeze._errors import DistributionError, FreezeWarning, PlanError
 from finefreeze._kinds import Kind
-from finefreeze._optimizer import change, checkpoint, in_force, migrate, norms
+from finefreeze._optimizer import ages, change, checkpoint, in_force, migrate, norms
 from finefreeze._optimizer.arguments import SettingsGoInside, refuse_arguments
 from finefreeze._plan.plan import Plan
 from finefreeze._resolve.resolve import resolve
@@ -56,13 +56,14 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         plan: a :class:`Plan`. Resolved against the variables the optimizer
             is built on; prefer ``Freezer.wrap``, which also knows layers.
         strategy: ``"auto"``, ``"restore"``, ``"compact"`` or ``"mask"``.
+        step_count: ``"release"`` (a released element counts steps from its release) or ``"global"``.
         name: optimizer name.
 
     Raises:
         TypeError: ``inner_optimizer`` is not a Keras optimizer or is a
             ``LossScaleOptimizer``, or a base-optimizer argument was given.
         ValueError: ``inner_optimizer`` is already built.
-        PlanError: unknown strategy.
+        PlanError: unknown strategy or step count.
 
     Example:
         >>> import keras, finefreeze as ff
@@ -81,17 +82,20 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         plan: Plan | None = None,
         *,
         strategy: str = "auto",
+        step_count: str = "release",
         name: str | None = None,
         **kwargs,
     ):
         resolution = kwargs.pop("_resolution", None)
         layout = kwargs.pop("_layout", None)
         saved_layout = kwargs.pop("_saved_layout", None)
-        refuse_arguments(FreezingOptimizer, inner_optimizer, plan, strategy, kwargs)
+        refuse_arguments(FreezingOptimizer, inner_optimizer, plan, strategy, kwargs, step_count)
         super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
         self.inner_optimizer = inner_optimizer
         self._plan = plan
         self._strategy = strategy
+        self._step_count = step_count
+        self._count_kind = ages.kind_of(inner_optimizer, step_count)
         self._resolution = resolution
         self._layout: Layout | None = layout
         self._saved_layout = saved_layout
@@ -190,10 +194,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         return self._freezer_ref() if self._freezer_ref is not None else None
 
     def bind_freezer(self, freezer, strong: bool = False) -> None:
-        """Make ``freezer`` this optimizer's :attr:`freezer` (``wrap`` and ``Freezer.of`` do).
-
-        Held weakly, or strongly for a Freezer rebuilt for a loaded model (nothing else holds it).
-        """
+        """Make ``freezer`` its :attr:`freezer`: weakly, or strongly for one rebuilt for a loaded model."""
         self._freezer_ref = weakref.ref(freezer)
         self._freezer_strong = freezer if strong else None
 
@@ -239,13 +240,13 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         layout = self._layout_for(var_list)
         self._warn(layout)
         self._layout = layout
-        self._install(self._layout, var_list, {})
+        self._install(self._layout, var_list, None)
         # built on what it updates: a loaded model's optimizer is built on every variable and
         # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
         super().build([v for v in var_list if id(v) not in self._enforcers.frozen_ids])
 
-    def _install(self, layout: Layout, var_list, held: dict) -> None:
-        """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state."""
+    def _install(self, layout: Layout, var_list, held: dict | None) -> None:
+        """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state (a change)."""
         enforcers = make_enforcers(self.add_variable, layout, var_list, saved=self._saved_layout is not None)
         enforcers.norms = norms.variables()  # optimizer variables only while FreezeBoard tracks them
         # outside the no-tracking scope: the inner optimizer tracks what it makes
@@ -253,7 +254,8 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         enforcers.state = migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
         decay_compact_like_its_variable(self.inner_optimizer, enforcers)
         self._enforcers = enforcers
-        if held:  # a plan change; a first build starts as Keras does
+        ages.install(self)
+        if held is not None:  # a plan change; a first build starts as Keras does
             for e in enforcers.ordered:
                 change.carry(self, e, held.get(id(e.variable)))
 
@@ -416,6 +418,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "plan": plan,
             "strategy": self._strategy,
+            "step_count": self._step_count,
             "layout": layout,
         }
 
@@ -428,6 +431,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             inner,
             Plan.from_dict(plan) if plan else None,
             strategy=config.pop("strategy", "auto"),
+            step_count=config.pop("step_count", "release"),
             name=config.pop("name", None),
             _saved_layout=config.pop("layout", None),
         )
