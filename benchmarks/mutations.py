@@ -158,23 +158,30 @@ MUTATIONS = [
     (
         "step counts: a released element kept on the global count",
         "_optimizer/ages.py",
-        "        with counting(o, born.value):\n            return plain(gradient, variable, learning_rate)",
+        "        with counting(o, e.born.value, e.u_product):\n            return plain(gradient, variable, learning_rate)",
         "        return plain(gradient, variable, learning_rate)",
         "tests/test_fresh_state.py",
     ),
     (
         "step counts: released elements' counts not carried through a change",
         "_optimizer/ages.py",
-        "        born = np.where(kept, before[pos], step)",
-        "        born = np.full(new.size, step, np.int64)",
+        "    born = np.where(kept, old_born[pos] if n_old else 0, step)",
+        "    born = np.full(new.size, step, np.int64)",
         "tests/test_fresh_state.py",
     ),
     (
         "step counts: not restored from a checkpoint",
         "_optimizer/checkpoint.py",
-        "            ages.write(opt, e, np.asarray(store[str(i)]))",
+        "            ages.write(opt, e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))",
         "            pass",
         "tests/test_fresh_state.py -k checkpoint",
+    ),
+    (
+        "LoRA: a base kernel enable_lora switched off kept outside plans",
+        "_resolve/targets.py",
+        "            off = _lora_base(layer, v) and not base_trainable(v)",
+        "            off = False",
+        "tests/test_lora.py",
     ),
 ]
 

@@ -18,7 +18,7 @@ indices; ``save_delta`` also writes the plan, element masks included, as
 JSON metadata); median step time (ms, the median per run after the
 first epoch, then the median and min-max over seeds); seconds spent choosing.
 
-    python benchmarks/sparse.py [--seeds 5] [--epochs 50] [--plot docs/select.png]
+    python benchmarks/sparse.py [--seeds 5] [--epochs 50] [--plot docs/select.png] [--only "LoRA" "1.0% fisher"]
 """
 
 from __future__ import annotations
@@ -134,6 +134,34 @@ def run_sparse(score, options, budget, seed, data, args, reselect=False):
     return out, frz
 
 
+def run_lora_sparse(rank, budget, seed, data, args):
+    """LoRA of ``rank`` on the base layers plus the fisher-chosen base elements that fill ``budget`` up."""
+    model = pretrained_digits_model(seed=seed)
+    for name in BASE_LAYERS:
+        layer = model.get_layer(name)
+        layer.enable_lora(rank)
+        layer.bias.trainable = False  # as LoRA alone: the biases stay as they are
+    base = sum(int(np.prod(model.get_layer(n)._kernel.shape)) for n in BASE_LAYERS)
+    adapters = sum(int(np.prod(v.shape)) for v in model.weights if "lora_kernel" in v.path)
+    k = int(np.floor(budget * (base + sum(int(np.prod(model.get_layer(n).bias.shape)) for n in BASE_LAYERS)) + 0.5))
+    t = time.perf_counter()
+    plan = ff.select(
+        model, data[0], budget=k - adapters, score="fisher", include=["head/**", "**/lora_kernel_*"], loss=LOSS,
+        seed=seed, verbose=0,
+    )  # fmt: skip
+    choose = time.perf_counter() - t
+    frz = ff.Freezer(model, plan)
+    acc, step, opt = fit(model, frz.wrap(keras.optimizers.Adam(args.lr)), data, args)
+    frz.verify()
+    trained = frz.report()["totals"]["trainable_elements"] - 32 * 5 - 5
+    with tempfile.TemporaryDirectory() as d:
+        delta = frz.save_delta(os.path.join(d, "delta.safetensors"))["bytes"]
+        tensors = payload(os.path.join(d, "delta.safetensors"))
+    return dict(
+        trained=trained, acc=acc, step_ms=step, opt_bytes=opt, delta_bytes=delta, tensor_bytes=tensors, choose_s=choose
+    )
+
+
 def variants(args):
     out = [("head only", lambda s, d: run_sparse(None, {}, None, s, d, args)[0])]
     out.append(("full fine-tuning", lambda s, d: run_plain("full", 0, s, d, args)))
@@ -147,6 +175,13 @@ def variants(args):
             )
     b0 = args.budgets[0]
     out.append((f"{b0:.1%} fisher + Reselect", lambda s, d: run_sparse("fisher", {}, b0, s, d, args, reselect=True)[0]))
+    r = min(args.lora_ranks)
+    out.append(
+        (f"LoRA rank {r} + fisher to {b0:.1%}", lambda s, d: run_lora_sparse(r, b0, s, d, args))
+    )  # low rank plus sparse (RoSA): the adapters and the base elements share one budget
+    if args.only:  # head only and full fine-tuning always run: the gain is measured between them
+        keep = lambda name: name in ("head only", "full fine-tuning") or any(o in name for o in args.only)  # noqa: E731
+        out = [(name, fn) for name, fn in out if keep(name)]
     return out
 
 
@@ -166,6 +201,7 @@ def main():
     p.add_argument("--reselect-every", type=int, default=80, help="steps between reselections")
     p.add_argument("--plot", default=None, help="draw the 1 %% fisher plan of seed 0 to this image")
     p.add_argument("--json", default=None, help="write every run's numbers here")
+    p.add_argument("--only", nargs="+", default=None, help="run the variants whose names contain one of these")
     args = p.parse_args()
     runs = variants(args)
     results = {name: [] for name, _ in runs}

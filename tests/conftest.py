@@ -27,6 +27,7 @@ BACKEND_NEUTRAL = {
     "test_fresh_state.py",
     "test_index.py",
     "test_keras_flags.py",
+    "test_lora.py",
     "test_lr_scale.py",
     "test_plan.py",
     "test_real_models.py",

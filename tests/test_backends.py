@@ -76,11 +76,21 @@ def test_the_import_hook_hides_tensorflow(tmp_path):
     assert got.returncode != 0 and "ModuleNotFoundError: import of tensorflow halted" in got.stderr, got.stderr[-2000:]
 
 
-#: JAX compiles every step: its run is cut in two, so the suite's two workers can share it.
+#: JAX compiles every step: its run is cut in three, so the suite's two workers can share it
+#: and no part comes near the 600 s a test may take.
 HEAVY = ["tests/test_conformance.py", "tests/test_dynamic.py"]
+LONG_RUNS = [
+    "tests/test_resume.py",
+    "tests/test_faults.py",
+    "tests/test_fresh_state.py",
+    "tests/test_lora.py",
+    "tests/test_reselect.py",
+    "tests/test_real_models.py",
+]
 PARTS = {
     ("jax", "conformance and plan changes"): HEAVY,
-    ("jax", "the rest"): ["tests", *(f"--ignore={m}" for m in HEAVY)],
+    ("jax", "resuming, fresh state, LoRA and real models"): LONG_RUNS,
+    ("jax", "the rest"): ["tests", *(f"--ignore={m}" for m in HEAVY + LONG_RUNS)],
     ("torch", "all"): ["tests"],
 }
 

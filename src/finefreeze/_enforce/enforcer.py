@@ -76,6 +76,7 @@ class Enforcer:
     index: Any = None  # int32/int64 optimizer variable of trainable flat indices: compact
     shadow: Any = None  # flat optimizer variable of trainable values: compact
     born: Any = None  # int32 optimizer variable: the step its elements were released at (see optimizer.ages)
+    u_product: Any = None  # float32 optimizer variable beside born: Nadam's running product, per release
 
     @property
     def inner_variable(self):
@@ -132,7 +133,12 @@ class Enforcers:
         self.aged = None  # {id(inner optimizer): {variable key: born}}, made by optimizer.ages when needed
 
     def own_variables(self) -> set[int]:
-        return {id(w) for e in self.ordered for w in (e.mask, e.index, e.shadow, e.scale, e.born) if w is not None}
+        return {
+            id(w)
+            for e in self.ordered
+            for w in (e.mask, e.index, e.shadow, e.scale, e.born, e.u_product)
+            if w is not None
+        }
 
 
 def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:

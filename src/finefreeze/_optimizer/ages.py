@@ -1,8 +1,9 @@
 """Step counts from each element's release: a released element's update is a fresh optimizer's.
 
 Keras optimizers count steps once (``iterations``), and Adam's, AdamW's,
-Adamax's and Lamb's bias correction, Adafactor's decay and relative step,
-and Muon's Adam path read that count in ``update_step``. An element
+Adamax's and Lamb's bias correction, Nadam's momentum schedule,
+ScheduleFreeAdamW's warmup and averaging, Adafactor's decay and relative
+step, and Muon's Adam path read that count in ``update_step``. An element
 released at step ``s`` (by ``Freezer.update``, ``GradualUnfreezing`` or
 ``Reselect``) starts with zero moments; with the global count its first
 update would be bias-corrected as step ``s + 1``, several times the first
@@ -24,12 +25,12 @@ first step, or for an optimizer without a step count.
 Kinds of inner optimizers (by class, sub-classes included):
 
 - step-free (SGD, RMSprop, Adagrad, Adadelta, Ftrl, Lion): nothing to count;
-- per element (Adam, AdamW, Adamax, Lamb, Muon);
+- per element (Adam, AdamW, Adamax, Lamb, Muon, ScheduleFreeAdamW, and
+  Nadam, whose running product ``u_product`` is then kept per release too,
+  in ``u_product`` beside ``born``);
 - per variable (Adafactor, whose factored moments are per row and column,
   and optimizers finefreeze does not know): one count per variable, from the
-  release of its oldest trained elements;
-- global (Nadam's ``u_product``, ScheduleFreeAdamW's averaging weights are
-  one running product or sum per optimizer): Keras' global count.
+  release of its oldest trained elements.
 """
 
 from __future__ import annotations
@@ -50,15 +51,12 @@ __all__ = ["STEP_COUNTS", "counting", "fits", "held", "install", "kind_of", "rec
 #: the ``step_count`` choices: from each element's release, or Keras' one count per optimizer
 STEP_COUNTS = ("release", "global")
 _STEP_FREE = {"SGD", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion"}
-_PER_ELEMENT = {"Adam", "AdamW", "Adamax", "Lamb", "Muon"}
-_GLOBAL = {"Nadam", "ScheduleFreeAdamW"}
+_PER_ELEMENT = {"Adam", "AdamW", "Adamax", "Lamb", "Muon", "Nadam", "ScheduleFreeAdamW"}
 
 
 def _kind_of_one(opt) -> str:
     names = [c.__name__ for c in type(opt).__mro__]
     for name in names:  # the most derived known class decides (a custom Adam is an Adam)
-        if name in _GLOBAL:
-            return "global"
         if name in _PER_ELEMENT:
             return "element"
         if name in _STEP_FREE:
@@ -69,14 +67,13 @@ def _kind_of_one(opt) -> str:
 def kind_of(inner, step_count: str) -> str:
     """How ``inner`` counts released elements' steps: ``"none"``, ``"element"``, ``"variable"``.
 
-    ``"none"`` also for ``step_count="global"`` and for optimizers whose
-    step-dependent state is global (see the module docstring).
+    ``"none"`` also for ``step_count="global"``.
     """
     if step_count == "global":
         return "none"
     members = [o for o in family(inner) if not getattr(o, "_inner_optimizers", None)] or [inner]
     kinds = {_kind_of_one(o) for o in members}
-    if "global" in kinds or kinds == {"none"}:
+    if kinds == {"none"}:
         return "none"
     return "variable" if "variable" in kinds else "element"
 
@@ -89,53 +86,79 @@ def _state_positions(e) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.ones(idx.size, bool)
 
 
-def held(e) -> np.ndarray | None:
-    """The release step of each of ``e``'s trained elements (in sorted element order), or None (all 0)."""
+def _product(opt):
+    """The inner optimizer's running product of Nadam's momentum schedule (``u_product``), or None."""
+    return next((o._u_product for o in family(opt.inner_optimizer) if hasattr(o, "_u_product")), None)
+
+
+def held(e) -> tuple | None:
+    """``(release step, Nadam's product or None)`` of ``e``'s trained elements in sorted element order; None: all 0."""
     if e.born is None:
         return None
     idx, trained = _state_positions(e)
-    born = to_numpy(e.born).astype(np.int64)
-    values = np.broadcast_to(born.reshape(-1) if born.ndim else born, idx.shape)[trained]
     order = np.argsort(idx[trained], kind="stable")
-    return values[order]
+
+    def per_element(w, dtype):
+        a = to_numpy(w).astype(dtype)
+        return np.broadcast_to(a.reshape(-1) if a.ndim else a, idx.shape)[trained][order]
+
+    product = None if e.u_product is None else per_element(e.u_product, np.float64)
+    return per_element(e.born, np.int64), product
 
 
-def _after(kind: str, step: int, idx, trained, old_elements, old_born):
-    """The born values of a state over ``idx`` after a change: None (all 0), an int, or an array over ``idx``.
+def _after(kind: str, step: int, idx, trained, old_elements, old, product):
+    """``(born, product)`` of a state over ``idx`` after a change: None (all 0), scalars, or arrays over ``idx``.
 
-    Elements trained before keep their release step; the others are released now (``step``).
+    Elements trained before keep their release step (and Nadam's product);
+    the others are released now (``step``, a product of 1). ``product`` is
+    the optimizer's own (for elements trained from the first step), or None.
     """
     if kind == "none" or step == 0:
         return None
     new = idx[trained]
-    if old_elements is not None and old_elements.size:
-        pos = np.minimum(np.searchsorted(old_elements, new), old_elements.size - 1)
+    n_old = 0 if old_elements is None else old_elements.size
+    if n_old:
+        pos = np.minimum(np.searchsorted(old_elements, new), n_old - 1)
         kept = old_elements[pos] == new
-        before = np.zeros(old_elements.size, np.int64) if old_born is None else old_born
-        born = np.where(kept, before[pos], step)
     else:
-        born = np.full(new.size, step, np.int64)
+        pos, kept = np.zeros(new.size, np.int64), np.zeros(new.size, bool)
+    old_born, old_product = old if old is not None else (np.zeros(n_old, np.int64), None)
+    born = np.where(kept, old_born[pos] if n_old else 0, step)
     if not born.size or not born.any():
         return None
+    prod = None
+    if product is not None:  # elements trained from the first step share the optimizer's own product
+        was = np.full(n_old, product, np.float64) if old_product is None else old_product
+        prod = np.where(kept, was[pos] if n_old else 1.0, 1.0)
     if kind == "variable":
-        return int(born.min())
+        first = int(np.argmin(born))
+        return int(born[first]), None if prod is None else float(prod[first])
     if (born == born[0]).all():
-        return int(born[0])
+        return int(born[0]), None if prod is None else float(prod[0])
     full = np.full(idx.size, step, np.int64)  # a frozen element's value is never read
     full[trained] = born
-    return full
+    if prod is not None:
+        prod_full = np.ones(idx.size, np.float64)
+        prod_full[trained] = prod
+        prod = prod_full
+    return full, prod
+
+
+def _own_product(opt):
+    product = _product(opt)
+    return None if product is None else float(to_numpy(product))
 
 
 def recount(opt, e, old: tuple | None):
-    """``e``'s born values after a change; ``old`` is ``(elements, born)`` from before (see :func:`held`)."""
+    """``e``'s ``(born, product)`` after a change; ``old`` is ``(elements, held)`` from before (see :func:`held`)."""
     idx, trained = _state_positions(e)
     step = int(to_numpy(opt.iterations))
-    old_elements, old_born = old if old is not None else (None, None)
-    return _after(opt._count_kind, step, idx, trained, old_elements, old_born)
+    old_elements, before = old if old is not None else (None, None)
+    return _after(opt._count_kind, step, idx, trained, old_elements, before, _own_product(opt))
 
 
 def recount_layout(opt, layout_entry, e):
-    """The born values ``e`` would hold once ``layout_entry`` (same kind, new mask) is in force."""
+    """The ``(born, product)`` ``e`` would hold once ``layout_entry`` (same kind, new mask) is in force."""
     size = int(np.prod(layout_entry.shape, dtype=np.int64))
     if layout_entry.kind == Kind.COMPACT:
         idx = layout_entry.mask.trainable_flat_indices()
@@ -145,7 +168,8 @@ def recount_layout(opt, layout_entry, e):
         mask = layout_entry.mask
         trained = np.ones(size, bool) if mask is None else ~mask.dense().reshape(-1)
     step = int(to_numpy(opt.iterations))
-    return _after(opt._count_kind, step, idx, trained, elements(e, trained_only=True), held(e))
+    old = elements(e, trained_only=True), held(e)
+    return _after(opt._count_kind, step, idx, trained, *old, _own_product(opt))
 
 
 def fits(e, value) -> bool:
@@ -154,55 +178,82 @@ def fits(e, value) -> bool:
         return True
     if e.born is None:
         return False
-    return np.ndim(value) == 0 or tuple(e.born.shape) != ()
+    return np.ndim(value[0]) == 0 or tuple(e.born.shape) != ()
 
 
-def write(opt, e, value) -> None:
-    """Put ``value`` in ``e.born``: assigned where it fits, else a new optimizer variable (a rebuild)."""
-    if value is None:
-        if e.born is not None:
-            e.born.assign(np.zeros(e.born.shape, np.int32))
-        return
-    array = np.asarray(value, np.int32)
-    if array.ndim and e.kind != Kind.COMPACT:
-        array = array.reshape(e.shape)  # one per element of the variable, else of the compact vector
-    if e.born is not None and fits(e, value):
-        e.born.assign(np.broadcast_to(array, e.born.shape))
-        return
+def _variable(opt, e, name: str, array: np.ndarray):
     layout = getattr(e.variable, "_layout", None) if array.shape == tuple(e.shape) and array.ndim else None
-    e.born = opt.add_variable(
+    return opt.add_variable(
         shape=array.shape,
-        dtype="int32",
-        name=f"{e.path.replace('/', '.')}.born",
+        dtype=str(array.dtype),
+        name=f"{e.path.replace('/', '.')}.{name}",
         initializer=lambda shape, dtype=None: array.reshape(shape),
         aggregation="none",
         layout=layout,
     )
+
+
+def write(opt, e, value) -> None:
+    """Put ``value`` (``(born, product)``) in ``e``: assigned where it fits, else new optimizer variables."""
+    if value is None:
+        if e.born is not None:
+            e.born.assign(np.zeros(e.born.shape, np.int32))
+            if e.u_product is not None:
+                e.u_product.assign(np.full(e.u_product.shape, _own_product(opt), np.float32))
+        return
+    born, product = (np.asarray(v) if v is not None else None for v in value)
+    born = born.astype(np.int32)
+    if born.ndim and e.kind != Kind.COMPACT:  # one per element of the variable, else of the compact vector
+        born = born.reshape(e.shape)
+        product = None if product is None else product.reshape(e.shape)
+    if e.born is not None and fits(e, value):
+        e.born.assign(np.broadcast_to(born, e.born.shape))
+        if e.u_product is not None and product is not None:
+            e.u_product.assign(np.broadcast_to(product.astype(np.float32), e.u_product.shape))
+        return
+    e.born = _variable(opt, e, "born", born)
+    if product is not None:
+        e.u_product = _variable(opt, e, "u_product", product.astype(np.float32))
     opt._enforcers.aged = None
 
 
 def _aged(fo, o) -> dict:
-    """``{o._var_key(inner variable): born}`` of the enforcers with a release step, cached per enforcer set."""
+    """``{o._var_key(inner variable): enforcer}`` of the enforcers with a release step, cached per enforcer set."""
     enf = fo._enforcers
     cache = getattr(enf, "aged", None)
     if cache is None:
         cache = enf.aged = {}
     mine = cache.get(id(o))
     if mine is None:
-        mine = cache[id(o)] = {o._var_key(e.inner_variable): e.born for e in enf.ordered if e.born is not None}
+        mine = cache[id(o)] = {o._var_key(e.inner_variable): e for e in enf.ordered if e.born is not None}
     return mine
 
 
 @contextlib.contextmanager
-def counting(o, born):
-    """``o.iterations`` reads ``iterations - born`` inside the block."""
+def counting(o, born, product=None, advance: bool = True):
+    """``o.iterations`` reads ``iterations - born`` inside the block (and Nadam's ``u_product`` reads ``product``).
+
+    ``advance``: first move ``product`` on by this step's factor, as Nadam's
+    ``_backend_update_step`` moves its own (PyTorch's fused Nadam does it itself).
+    """
     total = o._iterations
     local = ops.subtract(total, ops.cast(born, total.dtype))
+    own = getattr(o, "_u_product", None)
+    if product is not None and own is not None:
+        if advance:
+            factor = 1.0 - 0.5 * ops.power(0.96, ops.cast(local + 1, own.dtype))
+            # in the order of the step a fresh optimizer takes: PyTorch's fused Nadam, else Nadam's own
+            o.assign(
+                product, product * (o.beta_1 * factor) if keras_backend() == "torch" else product * o.beta_1 * factor
+            )
+        object.__setattr__(o, "_u_product", product)
     object.__setattr__(o, "_iterations", local)
     try:
         yield
     finally:
         object.__setattr__(o, "_iterations", total)
+        if product is not None and own is not None:
+            object.__setattr__(o, "_u_product", own)
 
 
 def install(fo) -> None:
@@ -222,10 +273,10 @@ def _wrap_update_step(fo, o) -> None:
     plain = o.update_step
 
     def update_step(gradient, variable, learning_rate):
-        born = _aged(fo, o).get(o._var_key(variable))
-        if born is None:
+        e = _aged(fo, o).get(o._var_key(variable))
+        if e is None:
             return plain(gradient, variable, learning_rate)
-        with counting(o, born.value):
+        with counting(o, e.born.value, e.u_product):
             return plain(gradient, variable, learning_rate)
 
     vars(o)["update_step"] = update_step
@@ -242,20 +293,21 @@ def _wrap_parallel(fo, o) -> None:
             return parallel(grads, variables, learning_rate)
         groups: dict = {}
         for g, v in zip(grads, variables):
-            born = aged.get(o._var_key(v))
-            if born is not None and tuple(born.shape):
-                with counting(o, born.value):
+            e = aged.get(o._var_key(v))
+            if e is not None and tuple(e.born.shape):
+                with counting(o, e.born.value, e.u_product):
                     per_variable(o, g, v, learning_rate)
                 continue
-            key = None if born is None else int(to_numpy(born))
-            gs, vs = groups.setdefault(key, ([], []))
+            # one group per release step; with Nadam's product one per variable (the fused step writes it)
+            key = None if e is None else (int(to_numpy(e.born)), id(e) if e.u_product is not None else 0)
+            gs, vs, _ = groups.setdefault(key, ([], [], e))
             gs.append(g)
             vs.append(v)
-        for key, (gs, vs) in groups.items():
+        for key, (gs, vs, e) in groups.items():
             if key is None:
                 parallel(gs, vs, learning_rate)
             else:
-                with counting(o, np.asarray(key, np.int32)):
+                with counting(o, e.born.value, e.u_product, advance=False):
                     parallel(gs, vs, learning_rate)
 
     vars(o)["_parallel_update_step"] = _parallel_update_step

@@ -19,7 +19,7 @@ from finefreeze._enforce.policy import family
 from finefreeze._kinds import Kind
 from finefreeze._optimizer import ages, migrate
 
-__all__ = ["begin", "carry", "held", "in_place", "rebuild", "undo"]
+__all__ = ["begin", "carry", "held", "in_place", "put_back", "rebuild", "undo"]
 
 
 def carry(opt, e: Enforcer, held) -> None:
@@ -83,12 +83,16 @@ def rebuild(opt, layout: Layout, var_list) -> None:
     migrate.unbuild(opt.inner_optimizer, opt._inner_base)
     opt._layout = layout
     with keras.name_scope(opt.name, caller=opt):
-        opt._install(layout, var_list, kept)
-    for k, w in migrate.keyed(opt._enforcers.state.other).items():
-        if k in others:
-            w.assign(others[k])  # Nadam's u_product and other global state
+        opt._install(layout, var_list, kept, others)
     opt._trainable_variables_indices = {}
     keras.optimizers.Optimizer.build(opt, list(var_list))
+
+
+def put_back(state, others: dict) -> None:
+    """Global state of the inner optimizer as it was before a rebuild (Nadam's u_product, ...)."""
+    for k, w in migrate.keyed(state.other).items():
+        if k in others:
+            w.assign(others[k])
 
 
 def begin(opt):

@@ -31,7 +31,7 @@ __all__ = ["KEY", "born_as_saved", "enforced", "load", "masks", "positional_keys
 #: the store entry of the record (Keras' own entries are "0", "1", ...)
 KEY = "finefreeze_checkpoint"
 VERSION = 1
-_SLOTS = ("mask", "index", "scale", "born")
+_SLOTS = ("mask", "index", "scale", "born", "u_product")
 
 
 def record(opt, variables) -> dict:
@@ -181,14 +181,24 @@ def born_as_saved(opt, rec: dict, store) -> None:
     came; the values load by position with the rest.
     """
     enforcers = list(opt.enforcers)
-    migrate.untrack(opt, [e.born for e in enforcers if e.born is not None])
+    migrate.untrack(opt, [w for e in enforcers for w in (e.born, e.u_product) if w is not None])
     for e in enforcers:
-        e.born = None
-    saved = sorted((slots["born"], path) for path, slots in rec["slots"].items() if "born" in slots)
-    for i, path in saved:
+        e.born = e.u_product = None
+    saved = sorted(
+        (slots["born"], path, slots.get("u_product")) for path, slots in rec["slots"].items() if "born" in slots
+    )
+    if saved and opt._count_kind == "none":
+        warnings.warn(
+            f"the checkpoint counts released elements' steps from their release ({len(saved)} variables), but this "
+            "optimizer keeps Keras' global count (step_count='global'); the counts load and are not used. "
+            "Wrap with step_count='release' to resume as the checkpoint was written.",
+            FreezeWarning,
+            stacklevel=5,
+        )
+    for i, path, j in saved:
         e = _same_path(path, enforcers)
         if e is not None:
-            ages.write(opt, e, np.asarray(store[str(i)]))
+            ages.write(opt, e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))
     opt._enforcers.aged = None
 
 

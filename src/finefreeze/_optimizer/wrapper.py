@@ -109,11 +109,15 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self.track_gradient_norms = False
         self._norms_recorded = False
 
-    # -- delegation ----------------------------------------------------------
     @property
     def strategy(self) -> str:
         """The strategy requested (``auto`` picks per variable)."""
         return self._strategy
+
+    @property
+    def step_count(self) -> str:
+        """``"release"`` (released elements count steps from their release) or ``"global"``."""
+        return self._step_count
 
     @property
     def plan(self) -> Plan | None:
@@ -201,13 +205,9 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
     def gradient_norms(self) -> tuple[float, float] | None:
         """``(trainable, frozen)`` norms of the gradient of the last step, before enforcement.
 
-        Recorded only while ``track_gradient_norms`` is True (``FreezeBoard``
-        turns it on). "Frozen" is the part of the loss gradient that fell on
-        frozen elements of partially frozen variables: what the plan blocked
-        (fully frozen variables get no gradient at all).
-
-        Returns:
-            The two norms, or None before the first tracked step.
+        Recorded while ``track_gradient_norms`` is True (``FreezeBoard`` sets
+        it). "Frozen": the gradient on frozen elements of partially frozen
+        variables, what the plan blocked. Returns None before a tracked step.
         """
         if not self._enforcers.norms or not self._norms_recorded:
             return None
@@ -245,7 +245,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
         super().build([v for v in var_list if id(v) not in self._enforcers.frozen_ids])
 
-    def _install(self, layout: Layout, var_list, held: dict | None) -> None:
+    def _install(self, layout: Layout, var_list, held: dict | None, others: dict | None = None) -> None:
         """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state (a change)."""
         enforcers = make_enforcers(self.add_variable, layout, var_list, saved=self._saved_layout is not None)
         enforcers.norms = norms.variables()  # optimizer variables only while FreezeBoard tracks them
@@ -256,6 +256,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self._enforcers = enforcers
         ages.install(self)
         if held is not None:  # a plan change; a first build starts as Keras does
+            change.put_back(enforcers.state, others or {})
             for e in enforcers.ordered:
                 change.carry(self, e, held.get(id(e.variable)))
 

@@ -1,8 +1,9 @@
 """Resolve a plan against a target's variables into an immutable resolution.
 
 For every element the last rule that selects it decides; elements no rule
-selects keep their Keras state. Variables Keras does not train are outside
-plans. The result records, per variable, its state, its frozen mask (stored
+selects keep their Keras state. Variables Keras does not train by nature
+(moving statistics, seed states) are outside plans; a base kernel that
+``enable_lora`` switched off is a plan target, frozen unless a rule trains it. The result records, per variable, its state, its frozen mask (stored
 compactly) and which rules decided how many elements.
 """
 
@@ -217,7 +218,8 @@ def resolve(plan: Plan, target: Target) -> Resolution:
             if dec is None:
                 dec = np.full(vi.shape, uniform + 1, dtype=np.int16 if n_rules < 32000 else np.int32)
             dec[sel] = i + 1
-        states.append(_state(vi, uniform, dec, freezes, scales))
+        # no rule: Keras' state, which is frozen for a variable a library switched off (LoRA's base kernel)
+        states.append(_state(vi, uniform, dec, _off(freezes) if vi.switched_off else freezes, scales))
     _check_hits(plan, target, hits, untrained_hits)
     if not any(s.state in (TRAINABLE, PARTIAL) for s in states):
         raise PlanError(
@@ -246,6 +248,12 @@ def _matching(rules, target) -> list[list[int]]:
         for n in m:
             per_var[n].append(i)
     return per_var
+
+
+def _off(freezes: np.ndarray) -> np.ndarray:
+    out = freezes.copy()
+    out[0] = True
+    return out
 
 
 def _state(vi, uniform, dec, freezes, scales) -> VarState:

@@ -53,6 +53,17 @@ def base_trainable(obj) -> bool:
     return bool(getattr(obj, "trainable", True))
 
 
+def _lora_base(layer, v) -> bool:
+    """Whether ``v`` is the base kernel (or embedding table) of ``layer`` with LoRA enabled.
+
+    Keras' and KerasHub's ``enable_lora`` switch that variable's ``trainable``
+    flag off; unlike a moving statistic it is a weight a plan may train.
+    """
+    return bool(getattr(layer, "lora_enabled", False)) and any(
+        getattr(layer, a, None) is v for a in ("_kernel", "_embeddings")
+    )
+
+
 def remember_base(obj) -> None:
     if not hasattr(obj, _BASE_ATTR):
         try:
@@ -70,8 +81,9 @@ class VarInfo:
     shape: tuple[int, ...]
     dtype: str
     owner: Any  # owning layer / module, or None
-    base_trainable: bool
+    base_trainable: bool  # a plan target: Keras trains it, or a library switched it off (switched_off)
     is_keras: bool
+    switched_off: bool = False  # Keras does not train it now, but it is no statistic: a LoRA base kernel
 
     @property
     def size(self) -> int:
@@ -193,6 +205,7 @@ def _collect_keras(root) -> Target:
             seen.add(id(v))
             shape, dtype = _shape_dtype(v)
             path = var_path(v)
+            off = _lora_base(layer, v) and not base_trainable(v)
             infos.append(
                 VarInfo(
                     path=path,
@@ -202,8 +215,9 @@ def _collect_keras(root) -> Target:
                     shape=shape,
                     dtype=dtype,
                     owner=layer,
-                    base_trainable=root_trainable and base_trainable(v),
+                    base_trainable=root_trainable and (base_trainable(v) or off),
                     is_keras=True,
+                    switched_off=off,
                 )
             )
         for sub in layer._layers:

@@ -94,7 +94,7 @@ def collect_graph(target: Any, read) -> tuple[tf.Graph, list[_GraphVarInfo]]:
         seen.add(id(v))
         p = var_path(v)
         shape, dtype = tuple(int(d) for d in v.shape), v.dtype.base_dtype.name
-        infos.append(_GraphVarInfo(p, (p,), v, v, shape, dtype, None, id(v) in trainable, False, read))
+        infos.append(_GraphVarInfo(p, (p,), v, v, shape, dtype, None, id(v) in trainable, False, read=read))
     return graph, infos
 
 
