@@ -113,3 +113,13 @@ def test_fit_trains_adapters_and_chosen_base_elements_and_nothing_else():
     assert np.array_equal(kernel[mask], before["d/kernel"][mask])
     assert not np.array_equal(kernel[~mask], before["d/kernel"][~mask])
     assert not np.array_equal(raw(m.get_layer("d").lora_kernel_a), before["d/lora_kernel_a"])
+
+
+def test_enable_lora_after_the_freezer_is_named_as_the_cause():
+    keras.utils.set_random_seed(11)
+    m = keras.Sequential([keras.Input((8,)), keras.layers.Dense(6, name="d"), keras.layers.Dense(3, name="head")])
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/d/**")]))
+    m.get_layer("d").enable_lora(2)  # new variables the Freezer never saw
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+    with pytest.raises(ff.PlanError, match=r"made after its Freezer.*enable_lora"):
+        m.fit(data()[0], np.zeros((16, 3), "float32"), verbose=0)

@@ -168,14 +168,15 @@ def finetune(
                 f"(process {name.rsplit('-', 1)[1]} is gone)",
                 file=sys.stderr,
             )
-        point = _resume_point(out, settings, resume)
-        if selected:  # the plan --select chose is an output of this run
-            shutil.copyfile(plan, stage.path("selected-plan.json"))
-        what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"
-        if resume:
-            what += f", to resume after epoch {_done_epochs(point)}"
-        print_fn(f"finefreeze finetune: {what} ...", flush=True)
-        try:
+        point = os.path.join(out, RESUME)
+        try:  # from here on a signal may land anywhere, even between two lines: the resume point goes with it
+            _resume_point(out, settings, resume)
+            if selected:  # the plan --select chose is an output of this run
+                shutil.copyfile(plan, stage.path("selected-plan.json"))
+            what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"
+            if resume:
+                what += f", to resume after epoch {_done_epochs(point)}"
+            print_fn(f"finefreeze finetune: {what} ...", flush=True)
             result = _run(
                 stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn
             )

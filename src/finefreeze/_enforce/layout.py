@@ -92,6 +92,14 @@ def refuse_unknown(res: Resolution, var_list) -> None:
     for v in var_list:
         if res.lookup(v) is None:
             path = var_path(v)
+            layer = path.rsplit("/", 1)[0] + "/"
+            if res.by_path(path) is None and any(s.path.startswith(layer) for s in res.states):
+                raise PlanError(
+                    f"the optimizer is being built on {path!r}, a variable made after its Freezer: the plan "
+                    f"knows other variables of {layer[:-1]!r}, not this one (enable_lora, or a layer built "
+                    "later?). Make the Freezer and its optimizer after the model has all its variables: "
+                    "ff.Freezer(model, plan).wrap(...)."
+                )
             if res.by_path(path) is not None:
                 known = "the plan has a variable with this path, but of another model or layer"
             elif res.states:

@@ -293,14 +293,19 @@ class Staging:
                 "pass --force to replace them, or choose another --out"
             )
         self.created = not os.path.exists(self.out)
-        os.makedirs(self.out, exist_ok=True)
-        #: staging folders of killed runs found in ``out`` and removed
-        self.removed = remove_stale(self.out)
         self.dir = os.path.join(self.out, f".finefreeze-tmp-{os.getpid()}")
-        os.mkdir(self.dir)
-        with open(os.path.join(self.dir, _MARK), "w") as f:  # what remove_stale recognises as ours
-            f.write(f"{os.getpid()}\n")
         self.committed = False
+        try:  # a signal while the folders are made comes after them, and takes them away
+            with deferred_interrupts():
+                os.makedirs(self.out, exist_ok=True)
+                #: staging folders of killed runs found in ``out`` and removed
+                self.removed = remove_stale(self.out)
+                os.mkdir(self.dir)
+                with open(os.path.join(self.dir, _MARK), "w") as f:  # what remove_stale recognises as ours
+                    f.write(f"{os.getpid()}\n")
+        except KeyboardInterrupt:
+            self.cleanup()
+            raise
 
     def path(self, name: str) -> str:
         """Where to write ``name`` while the run is in progress."""
