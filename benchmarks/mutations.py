@@ -128,10 +128,10 @@ MUTATIONS = [
         "tests/test_seams.py -k refuses_optimizer_settings",
     ),
     (
-        "auto: compact for embeddings (their sparse gradients densified)",
-        "_enforce/policy.py",
-        'return keras_is_tensorflow() and isinstance(owner, keras.layers.Embedding)',
-        "return False",
+        "compact: an embedding's sparse gradient densified (its rows' sparse update lost)",
+        "_backends/variables.py",
+        "    if not _is_sparse(grad):\n        return ops.take(flat_dense(grad), idx, axis=0)",
+        "    if True:\n        return ops.take(flat_dense(grad), idx, axis=0)",
         "tests/test_seams.py -k sparse_path",
     ),
     (

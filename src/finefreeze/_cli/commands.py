@@ -67,7 +67,14 @@ def cmd_finetune(args) -> int:
             from finefreeze._cli.selectfile import select_to_file
 
             budget = "0.01" if args.budget is None else args.budget
-            plan = select_to_file(args.model, args.data, score=args.select, budget=budget, out=scratch)
+            plan = select_to_file(
+                args.model,
+                args.data,
+                score=args.select,
+                budget=budget,
+                out=scratch,
+                sequence_length=args.sequence_length,
+            )
         result = finetune(
             args.model,
             data=args.data,
@@ -83,6 +90,7 @@ def cmd_finetune(args) -> int:
             print_fn=(lambda *a, **k: None) if args.quiet else print,
             selected=args.select is not None,
             resume=args.resume,
+            sequence_length=args.sequence_length,
         )
     print(result.line())
     return 0 if result.verified else 1
@@ -93,7 +101,7 @@ def cmd_inspect(args) -> int:
     from finefreeze._plan.plan import Plan
 
     if args.model is not None:
-        check_model_file(args.model)
+        check_model_file(args.model, preset=True)
     if args.plan is None and args.model is not None and plan_from_keras_file(args.model) is None:
         plan = Plan([])  # no plan anywhere: the variables as Keras trains them
         if not args.json:
@@ -102,7 +110,7 @@ def cmd_inspect(args) -> int:
             )
     else:
         plan = load_plan(args.plan, model_file=args.model)
-    model = _bundled_model() if args.model is None else load_model(args.model)
+    model = _bundled_model() if args.model is None else load_model(args.model, preset=True)
     frz = Freezer(model, plan)
     if args.json:
         print(json.dumps(frz.report(), indent=2))
@@ -174,6 +182,10 @@ def cmd_delta_apply(args) -> int:
 
 
 _MODEL_HELP = "a .keras model (default: the bundled text model)"
+_PRESET_HELP = (
+    "a .keras model, or a KerasHub preset folder (save_to_preset, or a Hugging Face checkpoint folder "
+    "KerasHub converts); default: the bundled text model"
+)
 _PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
 
 
@@ -196,16 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
         "fine-tune a model under a plan (bundled example by default)",
         "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
         "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to --out. "
+        "MODEL may be a KerasHub preset folder with text data (--data texts.csv). "
         "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
         "plan that trains only the new embedding rows and the head.",
     )
-    ft.add_argument("model", nargs="?", help=_MODEL_HELP)
-    ft.add_argument("--data", help=".npz with x, y (optional x_val, y_val); required with MODEL")
+    ft.add_argument("model", nargs="?", help=_PRESET_HELP)
+    ft.add_argument(
+        "--data",
+        help="required with MODEL: .npz with x, y (optional x_val, y_val) for a .keras model; "
+        ".csv (columns text,label) or .jsonl for a preset, whose model is then a text classifier",
+    )
     ft.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
     ft.add_argument("--optimizer", default="adamw", help="a Keras optimizer name (default: adamw)")
     ft.add_argument("--lr", type=float, default=5e-3, help="learning rate (default: 5e-3)")
     ft.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
     ft.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    ft.add_argument("--sequence-length", type=int, default=128, help="with a preset: tokens per text (default: 128)")
     ft.add_argument(
         "--strategy",
         default="auto",
@@ -236,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "show what a plan freezes, without training",
         "Print the freeze summary of MODEL under PLAN (bundled example by default).",
     )
-    ins.add_argument("model", nargs="?", help=_MODEL_HELP)
+    ins.add_argument("model", nargs="?", help=_PRESET_HELP)
     ins.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.add_argument("--layers-only", action="store_true", help="one row per layer")

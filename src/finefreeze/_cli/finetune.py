@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from finefreeze._cli.inputs import check_model_file, load_data, load_model, load_plan, plan_from_keras_file
+from finefreeze._cli.epochs import plain, shuffled
+from finefreeze._cli.inputs import check_model_file, data_kind, load_plan, plan_from_keras_file, training_inputs
+from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_preset
 from finefreeze._files.atomic import Staging, UserError, check_interrupt
 
-__all__ = ["finetune", "Result", "OUTPUTS", "RESUME"]
+__all__ = ["finetune", "Result", "OUTPUTS", "RESUME", "training_inputs", "data_kind"]  # the last two from inputs
 
 #: the folder in ``--out`` where a run keeps its resume point (Keras' BackupAndRestore) until its outputs are in place
 RESUME = ".finefreeze-resume"
@@ -114,7 +116,7 @@ def _stop_on_interrupt():
 
 def _metric(model, val, batch_size: int, name: str) -> float:
     """``name`` (a compiled metric, or the loss) on the validation data."""
-    got = model.evaluate(val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True)
+    got = plain(model, "evaluate")(val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True)
     return float(got[name])
 
 
@@ -134,6 +136,7 @@ def finetune(
     print_fn=print,
     selected: bool = False,
     resume: bool = False,
+    sequence_length: int = 128,
 ) -> Result:
     """Fine-tune under a plan; write the model, delta, report, TensorBoard log and picture.
 
@@ -144,20 +147,32 @@ def finetune(
     ``out/.finefreeze-resume``, and ``resume=True`` (``--resume``) continues
     an interrupted run from its last finished epoch, bit-identical to an
     uninterrupted one. Staging folders of killed runs are removed.
+
+    ``model_path`` may be a KerasHub preset folder (or a Hugging Face
+    checkpoint folder KerasHub converts): ``data`` is then a CSV or JSONL
+    file of ``text,label`` rows, and the model a text classifier from the
+    preset with one output per label, its texts cut to ``sequence_length``
+    tokens.
     """
     from finefreeze._report.events import require_tensorboard
 
-    if epochs < 1 or batch_size < 1 or not lr > 0:
-        raise UserError(f"--epochs ({epochs}), --batch-size ({batch_size}) and --lr ({lr}) must be positive")
+    if epochs < 1 or batch_size < 1 or not lr > 0 or sequence_length < 2:
+        raise UserError(
+            f"--epochs ({epochs}), --batch-size ({batch_size}) and --lr ({lr}) must be positive, "
+            f"--sequence-length ({sequence_length}) at least 2"
+        )
     if model_path is not None:
-        check_model_file(model_path)
+        check_model_file(model_path, preset=True)
         if plan is None and plan_from_keras_file(model_path) is None:
-            raise UserError(f"--plan PLAN is required with a model file ({model_path!r} holds no plan)")
+            raise UserError(f"--plan PLAN (or --select SCORE) is required with a model ({model_path!r} holds no plan)")
         if data is None:
-            raise UserError("--data DATA.npz is required with a model file")
+            raise UserError(f"--data is required with a model ({data_kind(model_path)})")
     if data is not None and not os.path.exists(data):
         raise UserError(f"data file {data!r} does not exist")
+    if data is not None and is_preset(model_path) != data.endswith(TEXT_SUFFIXES):
+        raise UserError(f"--data {data!r}: a model {model_path!r} takes {data_kind(model_path)}")
     settings = _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy)
+    settings["sequence_length"] = sequence_length if is_preset(model_path) else None
     _check_resume(out, settings, resume, force)  # before anything loads a framework: a refusal is quick
     require_tensorboard("finefreeze finetune")
     the_plan = load_plan(plan, model_file=model_path)
@@ -178,7 +193,17 @@ def finetune(
                 what += f", to resume after epoch {_done_epochs(point)}"
             print_fn(f"finefreeze finetune: {what} ...", flush=True)
             result = _run(
-                stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn
+                stage,
+                point,
+                (model_path, data, sequence_length),
+                the_plan,
+                optimizer,
+                lr,
+                epochs,
+                batch_size,
+                strategy,
+                verbose,
+                print_fn,
             )
         except KeyboardInterrupt as e:
             if not os.path.exists(os.path.join(point, "latest.weights.h5")):  # no epoch finished: nothing to resume
@@ -197,6 +222,8 @@ def finetune(
 def _digest(path: str | None) -> str | None:
     if path is None:
         return None
+    if os.path.isdir(path):
+        return digest_folder(path)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -285,50 +312,16 @@ def _done_epochs(point: str) -> int:
         return 0
 
 
-def _shuffled(x, y, batch_size: int, epoch: int):
-    """The training batches, shuffled by a permutation drawn from the epoch number alone.
-
-    Keras' own shuffling draws each epoch's order from a random state that
-    the epochs before it advanced; a run resumed at epoch 3 would see
-    another order than an uninterrupted one. Here epoch ``e`` always sees
-    ``permutation(e)``, so a resumed run trains on the same batches.
-    """
-    import keras
-
-    class Epochs(keras.utils.PyDataset):
-        def __init__(self):
-            super().__init__()
-            self.epoch = epoch
-            self._order()
-
-        def _order(self):
-            self.order = np.random.default_rng([0, self.epoch]).permutation(len(x))
-
-        def __len__(self):
-            return -(-len(x) // batch_size)
-
-        def __getitem__(self, i):
-            rows = self.order[i * batch_size : (i + 1) * batch_size]
-            return x[rows], y[rows]
-
-        def on_epoch_end(self):
-            self.epoch += 1
-            self._order()
-
-    return Epochs()
-
-
-def _run(stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn):
+def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn):
     import keras
 
     import finefreeze as ff
 
+    model_path, data, sequence_length = inputs
     opt = _optimizer(optimizer, lr)
-    model = load_model(model_path)
+    keras.utils.set_random_seed(0)  # a preset's new head: the same command makes the same model
+    model, (x, y), val = training_inputs(model_path, data, sequence_length=sequence_length)
     keras.utils.set_random_seed(0)  # dropout and friends: the same command trains the same model
-    if len(model.inputs) != 1 or len(model.outputs) != 1:
-        raise UserError("finetune takes models with one input and one output; use the Python API for others")
-    (x, y), val = load_data(data, model)
     frz = ff.Freezer(model, the_plan, strategy=strategy)
     out = stage.out
     files = {}
@@ -343,8 +336,8 @@ def _run(stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_
     board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
     first_epoch = _done_epochs(point)
     try:
-        hist = model.fit(
-            _shuffled(x, y, batch_size, first_epoch),
+        hist = plain(model, "fit")(
+            shuffled(x, y, batch_size, first_epoch),
             validation_data=val,
             epochs=epochs,
             shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
@@ -366,6 +359,8 @@ def _run(stage, point, model_path, data, the_plan, optimizer, lr, epochs, batch_
     except ff.FrozenValueChanged as e:
         verified, violations = False, [list(v) for v in e.violations]
     check_interrupt()
+    if hasattr(model, "_finefreeze_preprocessor"):  # a preset's text classifier: saved with its preprocessor
+        model.preprocessor = model._finefreeze_preprocessor
     model.save(stage.path("tuned.keras"))
     files["model"] = os.path.join(out, "tuned.keras")
     check_interrupt()

@@ -13,17 +13,36 @@ import zipfile
 
 import numpy as np
 
+from finefreeze._cli.presets import check_preset, is_preset, load_preset, text_task
 from finefreeze._files.atomic import UserError
 
-__all__ = ["UserError", "check_model_file", "load_model", "plan_from_keras_file", "load_plan", "load_data"]
+__all__ = [
+    "UserError",
+    "check_model_file",
+    "load_model",
+    "plan_from_keras_file",
+    "load_plan",
+    "load_data",
+    "training_inputs",
+    "data_kind",
+]
 
 
-def check_model_file(path: str) -> None:
-    """Raise :class:`UserError` unless ``path`` looks like a complete ``.keras`` file (cheap: no Keras)."""
+def check_model_file(path: str, *, preset: bool = False) -> None:
+    """Raise :class:`UserError` unless ``path`` looks like a complete ``.keras`` file (cheap: no Keras).
+
+    With ``preset=True`` a KerasHub preset folder (or a Hugging Face
+    checkpoint folder KerasHub converts) is accepted too.
+    """
     if not os.path.exists(path):
         raise UserError(f"model file {path!r} does not exist")
     if os.path.isdir(path):
-        raise UserError(f"model {path!r} is a folder; give a .keras file (save it with model.save('model.keras'))")
+        if preset and is_preset(path):
+            return check_preset(path)
+        also = " or a KerasHub preset folder (one with a config.json)" if preset else ""
+        raise UserError(
+            f"model {path!r} is a folder; give a .keras file{also} (save one with model.save('model.keras'))"
+        )
     try:
         with zipfile.ZipFile(path) as z:
             names = set(z.namelist())
@@ -39,12 +58,14 @@ def check_model_file(path: str) -> None:
         raise UserError(f"{path!r} is not a Keras model file: its archive holds no config.json")
 
 
-def load_model(path: str | None):
-    """A Keras model from a ``.keras`` file (the bundled pretrained model for None)."""
+def load_model(path: str | None, *, preset: bool = False):
+    """A Keras model from a ``.keras`` file (the bundled pretrained model for None), or a preset folder."""
     if path is None:
         from finefreeze._data.text_model import pretrained_text_model
 
         return pretrained_text_model()
+    if preset and is_preset(path):
+        return load_preset(path)
     check_model_file(path)
     import keras
 
@@ -176,3 +197,23 @@ def load_data(path: str | None, model) -> tuple[tuple, tuple]:
         cut = max(1, len(x) // 10)
         x, y, val = x[:-cut], y[:-cut], (x[-cut:], y[-cut:])
     return (x, y), val
+
+
+def data_kind(model_path: str | None) -> str:
+    """What ``--data`` a model takes, for messages."""
+    if is_preset(model_path):
+        return "a KerasHub preset folder takes text data: a .csv with columns text,label, or a .jsonl"
+    return "a .keras model takes DATA.npz with arrays x and y"
+
+
+def training_inputs(model_path: str | None, data: str | None, *, sequence_length: int = 128):
+    """``(model, (x, y), (x_val, y_val))`` for a run: a ``.keras`` file (or the bundled model) and its
+    ``.npz`` data, or a preset's text classifier and its tokenised text data."""
+    if is_preset(model_path):
+        model, train, val, _ = text_task(model_path, data, sequence_length=sequence_length)
+        return model, train, val
+    model = load_model(model_path)
+    if len(model.inputs) != 1 or len(model.outputs) != 1:
+        raise UserError("finetune takes models with one input and one output; use the Python API for others")
+    train, val = load_data(data, model)
+    return model, train, val

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from finefreeze._cli.finetune import UserError, load_data, load_model, loss_for
+from finefreeze._cli.finetune import UserError, loss_for
+from finefreeze._cli.inputs import data_kind, training_inputs
 from finefreeze._errors import PlanError
 from finefreeze._select.scores import SCORES
 from finefreeze._select.select import select
@@ -25,7 +26,9 @@ def _budget(text: str) -> float | int:
         ) from None
 
 
-def select_to_file(model_path: str | None, data_path: str | None, *, score: str, budget: str, out: str) -> str:
+def select_to_file(
+    model_path: str | None, data_path: str | None, *, score: str, budget: str, out: str, sequence_length: int = 128
+) -> str:
     """Run :func:`finefreeze.select` on the model and training data ``finetune`` will use; return the plan file.
 
     The plan (``out/selected-plan.json``) trains the ``budget`` elements with
@@ -39,10 +42,9 @@ def select_to_file(model_path: str | None, data_path: str | None, *, score: str,
     if model_path is not None and not os.path.exists(model_path):
         raise UserError(f"model file {model_path!r} does not exist")
     if model_path is not None and data_path is None:
-        raise UserError("--data DATA.npz is required with a model file")
+        raise UserError(f"--data is required with a model ({data_kind(model_path)})")
     b = _budget(budget)
-    model = load_model(model_path)
-    (x, y), _ = load_data(data_path, model)
+    model, (x, y), _ = training_inputs(model_path, data_path, sequence_length=sequence_length)
     loss, _ = loss_for(model, y)
     try:
         plan = select(model, (x, y), budget=b, score=score, loss=loss, verbose=0)

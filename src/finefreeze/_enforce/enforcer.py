@@ -39,10 +39,11 @@ from finefreeze._backends.variables import (
     assign,
     current,
     eager_scope,
-    flat_dense,
     scatter_write,
     select_frozen_to_zero,
     snapshot,
+    take_trainable,
+    take_values,
 )
 from finefreeze._enforce.layout import VarLayout
 from finefreeze._enforce.policy import family, index_dtype
@@ -94,9 +95,9 @@ class Enforcer:
         """
         if self.kind == Kind.COMPACT:
             idx = self.index.value
-            values = ops.take(ops.reshape(snapshot(self.variable), (-1,)), idx, axis=0)
+            values = take_values(self.variable, idx)  # the trainable elements only, not a copy of the variable
             writes.append((self.shadow, assign, (values,)))
-            g = None if grad is None else ops.take(flat_dense(grad), idx, axis=0)
+            g = None if grad is None else take_trainable(grad, idx, self.shape)
             return g, (values if self.scale is not None else None)
         old = snapshot(self.variable) if self.needs_snapshot() else None
         if grad is None or self.kind == Kind.TRAIN:

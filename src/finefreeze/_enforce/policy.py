@@ -100,8 +100,11 @@ def family(opt) -> list:
 def sparse_gradients(owner) -> bool:
     """Whether the variable's gradient arrives sparse (TensorFlow embeddings: ``IndexedSlices``).
 
-    Keras optimizers update such variables on their sparse path (only the
-    touched rows' state moves); ``compact`` would hand them a dense vector.
+    Keras optimizers apply such a gradient on their sparse path; ``compact``
+    hands its vector a sparse gradient of the same entries
+    (:func:`finefreeze._backends.variables.take_trainable`), so the update
+    is the same bit for bit, and ``auto`` compacts such variables at any
+    trainable fraction: state and step for the trained elements only.
     """
     import keras
 
@@ -122,8 +125,10 @@ def choose_kind(
         PlanError: explicit ``compact`` of a variable of 2**31 elements or more on JAX without x64.
     """
     if strategy == "auto":
-        small = n_trainable <= AUTO_COMPACT_AT_MOST * size
-        allowed = compact_refusal(inner) is None and not _constrained(variable) and not sparse
+        # a sparse gradient reaches compact's vector sparse (take_trainable): its step costs the
+        # batch's rows and the trained elements, restore's the whole table, at any fraction
+        small = sparse or n_trainable <= AUTO_COMPACT_AT_MOST * size
+        allowed = compact_refusal(inner) is None and not _constrained(variable)
         return Kind.COMPACT if small and allowed and not _no_int64(size) else Kind.RESTORE
     if strategy == Kind.COMPACT and _no_int64(size):
         raise PlanError(

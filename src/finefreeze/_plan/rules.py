@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -106,11 +107,17 @@ def encode_mask(mask: np.ndarray):
 
     Large masks (from ``ff.select``, say) would otherwise cost about 6 bytes
     of JSON per element; packed they cost 1/6 byte (base64 of ``np.packbits``).
+    A sparse mask is written ``{"shape", "zpackbits"}``, its packed bits
+    compressed with zlib first (a 0.1 % selection of a 23 M element model:
+    2.7 MB packed, about 0.1 MB compressed).
     """
     if mask.size <= PACKED_MASK_AT or mask.dtype != np.bool_:
         return mask.tolist()
-    bits = base64.b64encode(np.packbits(mask.ravel()).tobytes()).decode("ascii")
-    return {"shape": list(mask.shape), "packbits": bits}
+    packed = np.packbits(mask.ravel()).tobytes()
+    small = zlib.compress(packed, 9)
+    if len(small) < len(packed) // 2:
+        return {"shape": list(mask.shape), "zpackbits": base64.b64encode(small).decode("ascii")}
+    return {"shape": list(mask.shape), "packbits": base64.b64encode(packed).decode("ascii")}
 
 
 def decode_mask(value, where: str) -> np.ndarray:
@@ -119,15 +126,24 @@ def decode_mask(value, where: str) -> np.ndarray:
     Raises:
         PlanError: a malformed packed mask.
     """
-    if set(value) != {"shape", "packbits"}:
-        raise PlanError(f"{where}: a packed mask has exactly 'shape' and 'packbits'; got keys {sorted(value)}.")
+    keys = set(value)
+    if keys not in ({"shape", "packbits"}, {"shape", "zpackbits"}):
+        raise PlanError(
+            f"{where}: a packed mask has exactly 'shape' and 'packbits' (or 'zpackbits'); got keys {sorted(value)}."
+        )
     shape = value["shape"]
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
         raise PlanError(f"{where}: packed mask shape must be a list of sizes, got {shape!r}.")
+    key = "packbits" if "packbits" in keys else "zpackbits"
     try:
-        raw = np.frombuffer(base64.b64decode(value["packbits"], validate=True), dtype=np.uint8)
-    except (TypeError, ValueError) as e:
-        raise PlanError(f"{where}: packed mask bits are not base64 ({e}).") from None
+        data = base64.b64decode(value[key], validate=True)
+        if key == "zpackbits":
+            data = zlib.decompress(data)
+        raw = np.frombuffer(data, dtype=np.uint8)
+    except (TypeError, ValueError, zlib.error) as e:
+        raise PlanError(
+            f"{where}: packed mask bits are not base64{' of zlib data' * (key == 'zpackbits')} ({e})."
+        ) from None
     size = math.prod(shape)
     if len(raw) != -(-size // 8):
         raise PlanError(

@@ -129,7 +129,7 @@ def _fmt_state(v) -> str:
 
 #: the width a summary aims at; longer texts end in an ellipsis (full text in ``report()``)
 WIDTH = 132
-_NAME_WIDTH = 32  # layer and variable names: longer ones lose their middle
+_NAME_WIDTH = 40  # layer and variable names: longer ones lose their middle
 _SHAPE_WIDTH = 20
 _DECIDED_MIN = 20  # "Decided by" keeps at least this much even when other columns are wide
 
@@ -141,6 +141,15 @@ def _shorten(text: str, width: int, *, middle: bool = False) -> str:
     if width <= 1:
         return "…"[:width]
     if middle:
+        first, sep, rest = text.partition("/")
+        if sep and len(first) + 3 < width:  # a path keeps its first part (``block_3/…``) whole: rows stay apart
+            tail = rest.split("/")
+            while len(tail) > 1 and len(first) + 3 + len("/".join(tail)) > width:
+                tail.pop(0)
+            kept = "/".join(tail)
+            if len(first) + 3 + len(kept) <= width:
+                return f"{first}/…/{kept}"
+            return f"{first}/…" + kept[len(kept) - (width - len(first) - 2) :]
         head = (width - 1) // 2
         return text[:head] + "…" + text[len(text) - (width - 1 - head) :]
     return text[: width - 1] + "…"

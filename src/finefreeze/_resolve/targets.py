@@ -57,7 +57,11 @@ def _lora_base(layer, v) -> bool:
     """Whether ``v`` is the base kernel (or embedding table) of ``layer`` with LoRA enabled.
 
     Keras' and KerasHub's ``enable_lora`` switch that variable's ``trainable``
-    flag off; unlike a moving statistic it is a weight a plan may train.
+    flag off; unlike a moving statistic it is a weight a plan may train. A
+    KerasHub backbone's ``enable_lora`` also switches off every other layer
+    of the backbone (it records ``_lora_enabled_layers``): their weights,
+    made trainable, are plan targets too; statistics and seeds, made
+    non-trainable, are not.
     """
     return bool(getattr(layer, "lora_enabled", False)) and any(
         getattr(layer, a, None) is v for a in ("_kernel", "_embeddings")
@@ -194,18 +198,21 @@ def _collect_keras(root) -> Target:
     layer_ids: set[int] = set()
     root_trainable = base_trainable(root)
 
-    def walk(layer, scope):
+    def walk(layer, scope, lora_root=False):
         if id(layer) in layer_ids:
             return
         layer_ids.add(id(layer))
         layers.append(layer)
-        for v in list(layer._trainable_variables) + list(layer._non_trainable_variables):
+        lora_root = lora_root or bool(getattr(layer, "_lora_enabled_layers", None))  # KerasHub's enable_lora
+        weights = list(layer._trainable_variables)
+        for v in weights + list(layer._non_trainable_variables):
             if id(v) in seen:
                 continue
             seen.add(id(v))
             shape, dtype = _shape_dtype(v)
             path = var_path(v)
-            off = _lora_base(layer, v) and not base_trainable(v)
+            made_trainable = any(v is w for w in weights)  # a weight, not a statistic or a seed
+            off = not base_trainable(v) and (_lora_base(layer, v) or (lora_root and made_trainable))
             infos.append(
                 VarInfo(
                     path=path,
@@ -221,7 +228,7 @@ def _collect_keras(root) -> Target:
                 )
             )
         for sub in layer._layers:
-            walk(sub, (*scope, sub.name))
+            walk(sub, (*scope, sub.name), lora_root)
 
     walk(root, ())
     order = {id(v): i for i, v in enumerate(root.weights)}

@@ -151,21 +151,36 @@ def stream_scores(
     With a ``cache`` dict (a callback scoring again and again), the
     accumulators and compiled steps are kept there and reused, not released.
     """
+    prep = preprocessor(model)
     if cache:
         grads = cache["grads"]
         grads.reset()
-        return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=True)
+        return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=True, prep=prep)
     loss_fn = loss_function(model, loss)
     if score == "delta":
-        return _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose)
+        return _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose, prep)
     grads = gradients.make(model, variables, loss_fn, per_example)
     if cache is not None:
         cache["grads"] = grads
-    return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=cache is not None)
+    return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=cache is not None, prep=prep)
 
 
-def _stream(grads, data, score, batch_size, limit, microbatch, verbose, *, keep):
+def preprocessor(model):
+    """The preprocessor a KerasHub task applies to its data in ``fit`` (raw strings to token ids), or None."""
+    prep = getattr(model, "preprocessor", None)
+    return prep if isinstance(prep, keras.layers.Layer) else None
+
+
+def _batches(data, batch_size, limit, prep):
+    """``(iterator, total)`` of ``(x, y)`` batches, through ``prep`` (a KerasHub preprocessor) when given."""
     it, total = batches(data, batch_size=batch_size, limit=limit)
+    if prep is None:
+        return it, total
+    return ((keras.tree.map_structure(to_numpy, prep(x)), y) for x, y in it), total
+
+
+def _stream(grads, data, score, batch_size, limit, microbatch, verbose, *, keep, prep=None):
+    it, total = _batches(data, batch_size, limit, prep)
     bar = keras.utils.Progbar(total, verbose=verbose, unit_name="batch")
     seen = 0
     for i, (x, y) in enumerate(it):
@@ -183,7 +198,7 @@ def _stream(grads, data, score, batch_size, limit, microbatch, verbose, *, keep)
     return grads.take(keep=keep)
 
 
-def _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose):
+def _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose, prep):
     before = [np.array(to_numpy(v), copy=True) for v in model.variables]  # theta_0, the one copy this score keeps
     index = {id(v): i for i, v in enumerate(model.variables)}
     start = [before[index[id(v)]] for v in variables]
@@ -193,7 +208,7 @@ def _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer
         step = gradients.train_step(model, variables, loss_fn, opt)
         seen = 0
         for _ in range(epochs):
-            it, total = batches(data, batch_size=batch_size, limit=limit)
+            it, total = _batches(data, batch_size, limit, prep)
             bar = keras.utils.Progbar(total, verbose=verbose, unit_name="batch")
             for i, (x, y) in enumerate(it):
                 step(x, y)

@@ -1,0 +1,180 @@
+"""KerasHub preset folders and text data for the commands: checked, then loaded.
+
+A preset folder is what KerasHub's ``from_preset`` reads: one written by
+``save_to_preset`` (its ``config.json`` names a registered Keras class) or a
+Hugging Face checkpoint folder KerasHub converts (its ``config.json`` has a
+``model_type``). Text data is a CSV file with ``text`` and ``label``
+columns, or a JSONL file of ``{"text": ..., "label": ...}`` objects; labels
+are integers ``0..K-1`` or names (sorted, then numbered).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from finefreeze._files.atomic import UserError
+
+__all__ = ["is_preset", "check_preset", "load_preset", "load_text_data", "text_task", "digest_folder"]
+
+HUB_HINT = "pip install 'finefreeze[hub]' (KerasHub)"
+TEXT_SUFFIXES = (".csv", ".jsonl")
+
+
+def is_preset(path: str | None) -> bool:
+    """Whether ``path`` is a folder with a ``config.json``: a KerasHub preset or a Hugging Face checkpoint."""
+    return path is not None and os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _config(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"preset folder {path!r}: config.json cannot be read ({type(e).__name__})") from None
+    if not isinstance(config, dict) or not ({"registered_name", "model_type"} & set(config)):
+        raise UserError(
+            f"preset folder {path!r}: config.json is neither a KerasHub preset's (no registered_name) nor a "
+            "Hugging Face checkpoint's (no model_type); write one with model.save_to_preset(folder)"
+        )
+    return config
+
+
+def check_preset(path: str) -> None:
+    """Raise :class:`UserError` unless ``path`` is a preset folder KerasHub can read and KerasHub is installed."""
+    _config(path)
+    _keras_hub()
+
+
+def _keras_hub():
+    try:
+        import keras_hub
+    except ImportError:
+        raise UserError(f"a preset folder needs KerasHub: {HUB_HINT}") from None
+    return keras_hub
+
+
+def load_preset(path: str):
+    """The model a preset folder holds: its task when it saved one, else its backbone."""
+    check_preset(path)
+    keras_hub = _keras_hub()
+    import keras
+
+    cls = keras_hub.models.Backbone
+    try:
+        with open(os.path.join(path, "task.json")) as f:
+            cls = keras.saving.get_registered_object(json.load(f)["registered_name"]) or cls
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no task saved (or one this KerasHub does not know): the backbone
+    try:
+        return cls.from_preset(path)
+    except Exception as e:
+        raise UserError(f"cannot load preset {path!r}: {type(e).__name__}: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _rows(path: str) -> list[tuple[object, object]]:
+    if path.endswith(".csv"):
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in ("text", "label") if c not in (reader.fieldnames or ())]
+            if missing:
+                raise UserError(
+                    f"text data {path!r} needs a header with columns 'text' and 'label' "
+                    f"(found: {', '.join(reader.fieldnames or ()) or 'no header'})"
+                )
+            return [(r["text"], r["label"]) for r in reader]
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                raise UserError(f"text data {path!r}, line {n}: not a JSON object") from None
+            if not isinstance(obj, dict) or "text" not in obj or "label" not in obj:
+                raise UserError(f"text data {path!r}, line {n}: give an object with 'text' and 'label'")
+            rows.append((obj["text"], obj["label"]))
+    return rows
+
+
+def load_text_data(path: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """``(texts, labels, names)`` from a CSV or JSONL file; ``names[k]`` is the label class ``k`` stands for."""
+    if not os.path.exists(path):
+        raise UserError(f"data file {path!r} does not exist")
+    if not path.endswith(TEXT_SUFFIXES):
+        raise UserError(f"text data {path!r}: give a .csv file (columns text,label) or a .jsonl file")
+    try:
+        rows = _rows(path)
+    except UnicodeDecodeError:
+        raise UserError(f"text data {path!r} is not UTF-8 text") from None
+    if len(rows) < 2:
+        raise UserError(f"text data {path!r} has {len(rows)} rows; give at least 2")
+    texts = [t for t, _ in rows]
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise UserError(f"text data {path!r}, row {bad + 1}: the text is {texts[bad]!r}, not a string")
+    raw = [str(label).strip() for _, label in rows]
+    if all(r.lstrip("-").isdigit() for r in raw):
+        labels = np.array([int(r) for r in raw], np.int64)
+        if labels.min() < 0:
+            raise UserError(f"text data {path!r}: labels must be 0 or more (found {labels.min()})")
+        names = [str(k) for k in range(int(labels.max()) + 1)]
+    else:
+        names = sorted(set(raw))
+        labels = np.array([names.index(r) for r in raw], np.int64)
+    if len(names) < 2:
+        raise UserError(f"text data {path!r}: every row has the label {names[0]!r}; give at least two classes")
+    return np.array(texts, dtype=object), labels, names
+
+
+def text_task(path: str, data: str, *, sequence_length: int):
+    """A text classifier from a preset, and its data tokenised once: ``(model, (x, y), (x_val, y_val), names)``.
+
+    The model's preprocessor turns the texts into token ids up front; the
+    returned model has it detached (``model.preprocessor`` is None) so that
+    training reads the token ids, and the caller puts ``preprocessor`` back
+    before saving. The last 10 % of the rows validate.
+    """
+    check_preset(path)
+    texts, labels, names = load_text_data(data)
+    keras_hub = _keras_hub()
+    try:
+        pre = keras_hub.models.TextClassifierPreprocessor.from_preset(path, sequence_length=sequence_length)
+        model = keras_hub.models.TextClassifier.from_preset(path, num_classes=len(names), preprocessor=pre)
+    except Exception as e:
+        raise UserError(
+            f"cannot make a text classifier from preset {path!r}: {type(e).__name__}: {_first_line(e)}"
+        ) from None
+    import keras
+
+    x = keras.tree.map_structure(lambda t: np.asarray(keras.ops.convert_to_numpy(t)), pre(list(texts)))
+    model.preprocessor = None
+    model._finefreeze_preprocessor = pre  # put back by the caller before it saves
+    cut = max(1, len(labels) // 10)
+    train = ({k: v[:-cut] for k, v in x.items()}, labels[:-cut])
+    val = ({k: v[-cut:] for k, v in x.items()}, labels[-cut:])
+    return model, train, val, names
+
+
+def digest_folder(path: str) -> str:
+    """A sha256 over a folder's file names and contents (a preset's identity for ``--resume``)."""
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            h.update(os.path.relpath(full, path).encode() + b"\0")
+            with open(full, "rb") as f:
+                for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,118 @@
+"""``finefreeze finetune`` and ``inspect`` on KerasHub preset folders with CSV and JSONL text data."""
+
+import csv
+import json
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import finefreeze as ff
+from finefreeze._cli.commands import main
+
+keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is in the test extra: pip install -e '.[test]'")
+pytest.importorskip("tensorflow")  # KerasHub's tokenizers run on tf.text
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_kerashub import LABELS, NEW, TEXTS, VOCAB, classifier  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory):
+    """A KerasHub preset folder (save_to_preset) of a small BERT classifier, and 60 labelled rows as CSV."""
+    root = tmp_path_factory.mktemp("hub")
+    classifier(VOCAB + NEW).save_to_preset(str(root / "preset"))
+    rows = [(TEXTS[i % len(TEXTS)], ["negative", "positive"][LABELS[i % len(TEXTS)]]) for i in range(60)]
+    with open(root / "texts.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows(rows)
+    with open(root / "texts.jsonl", "w") as f:
+        for text, label in rows:
+            f.write(json.dumps({"text": text, "label": int(label == "positive")}) + "\n")
+    ff.Plan(
+        [ff.freeze("**"), ff.train(f"**/token_embedding/embeddings[{len(VOCAB)}:]"), ff.train("**/logits/**")]
+    ).save(root / "plan.json")
+    return root
+
+
+def finetune(preset, data, out, *extra):
+    args = ["finetune", str(preset / "preset"), "--data", str(data), "--out", str(out), "--epochs", "2"]
+    return main([*args, "--batch-size", "8", "--sequence-length", "8", "-q", *extra])
+
+
+def test_finetune_on_a_preset_folder_with_csv_text(preset, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert finetune(preset, preset / "texts.csv", out, "--plan", str(preset / "plan.json")) == 0
+    line = capsys.readouterr().out
+    assert "verify OK" in line
+    report = json.loads((out / "report.json").read_text())
+    assert report["finetune"]["verified"] and report["totals"]["trainable_elements"] == 2 * 8 + 8 * 2 + 2
+    tuned = keras.models.load_model(out / "tuned.keras", compile=False)
+    assert isinstance(tuned, keras_hub.models.BertTextClassifier) and tuned.preprocessor is not None
+    base = keras_hub.models.TextClassifier.from_preset(str(preset / "preset"), num_classes=2)
+    for v, w in zip(base.backbone.weights, tuned.backbone.weights):
+        if v.path != "token_embedding/embeddings":
+            assert np.array_equal(v.numpy(), w.numpy()), v.path
+    t0, t1 = base.backbone.token_embedding.embeddings.numpy(), tuned.backbone.token_embedding.embeddings.numpy()
+    assert np.array_equal(t0[: len(VOCAB)], t1[: len(VOCAB)]) and not np.array_equal(t0, t1)
+    ff.load_delta(base, out / "delta.safetensors")  # a fresh from_preset model becomes the tuned one, bit for bit
+    assert np.array_equal(base.predict(TEXTS, verbose=0), tuned.predict(TEXTS, verbose=0))
+
+
+def test_jsonl_integer_labels_and_select_on_a_preset(preset, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert finetune(preset, preset / "texts.jsonl", out, "--select", "fisher", "--budget", "40") == 0
+    assert "verify OK" in capsys.readouterr().out
+    assert json.loads((out / "report.json").read_text())["totals"]["trainable_elements"] == 40
+    assert ff.Plan.load(out / "selected-plan.json").rules[0].freezes
+
+
+def test_inspect_a_preset_folder(preset, capsys):
+    assert main(["inspect", str(preset / "preset"), "--plan", str(preset / "plan.json")]) == 0
+    text = capsys.readouterr().out
+    assert "transformer_layer_0…1" in text and "logits" in text and "partial" in text  # the blocks grouped
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("npz", "takes text data: a .csv with columns text,label"),
+        ("no label column", "needs a header with columns 'text' and 'label'"),
+        ("one class", "give at least two classes"),
+        ("bad jsonl", "line 2: not a JSON object"),
+        ("folder", "is a folder; give a .keras file or a KerasHub preset folder"),
+        ("no plan", "--plan PLAN (or --select SCORE) is required"),
+    ],
+)
+def test_bad_preset_inputs_are_one_line_and_write_nothing(preset, tmp_path, capsys, case, message):
+    model, data, extra = preset / "preset", tmp_path / "d.csv", ["--plan", str(preset / "plan.json")]
+    if case == "npz":
+        data = tmp_path / "d.npz"
+        np.savez(data, x=np.zeros((4, 8)), y=np.zeros(4))
+    elif case == "no label column":
+        data.write_text("text,class\nthe film,1\na film,0\n")
+    elif case == "one class":
+        data.write_text("text,label\nthe film,good\na film,good\n")
+    elif case == "bad jsonl":
+        data = tmp_path / "d.jsonl"
+        data.write_text('{"text": "a", "label": 0}\nnot json\n')
+    elif case == "folder":
+        model = tmp_path / "empty"
+        model.mkdir()
+        data = preset / "texts.csv"
+    else:
+        data, extra = preset / "texts.csv", []
+    out = tmp_path / "out"
+    code = main(["finetune", str(model), "--data", str(data), "--out", str(out), *extra])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists() or not any(p.name != ".finefreeze-resume" for p in out.iterdir())
+
+
+def test_a_preset_without_keras_hub_names_the_extra(preset, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "keras_hub", None)  # what an install without KerasHub sees: ImportError
+    assert main(["inspect", str(preset / "preset")]) == 2
+    assert "pip install 'finefreeze[hub]'" in capsys.readouterr().err
