@@ -65,7 +65,7 @@ def test_jsonl_integer_labels_and_select_on_a_preset(preset, tmp_path, capsys):
     out = tmp_path / "out"
     assert finetune(preset, preset / "texts.jsonl", out, "--select", "fisher", "--budget", "40") == 0
     assert "verify OK" in capsys.readouterr().out
-    assert json.loads((out / "report.json").read_text())["totals"]["trainable_elements"] == 40
+    assert json.loads((out / "report.json").read_text())["totals"]["trainable_elements"] == 40 + 8 * 2 + 2  # + head
     assert ff.Plan.load(out / "selected-plan.json").rules[0].freezes
 
 
@@ -78,12 +78,18 @@ def test_inspect_a_preset_folder(preset, capsys):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("npz", "takes text data: a .csv with columns text,label"),
+        ("npz", "give text data: a .csv with columns text,label"),
         ("no label column", "needs a header with columns 'text' and 'label'"),
         ("one class", "give at least two classes"),
         ("bad jsonl", "line 2: not a JSON object"),
         ("folder", "is a folder; give a .keras file or a KerasHub preset folder"),
         ("no plan", "--plan PLAN (or --select SCORE) is required"),
+        ("one integer class", "every row has the label '1'"),
+        ("row without a label", "row 2: the label is None"),
+        ("null label", "row 1: the label is None"),
+        ("list label", "row 1: the label is [1]"),
+        ("superscript label", None),  # '²' is a class name, not the integer 2
+        ("too long", "--sequence-length 64 is longer than preset"),
     ],
 )
 def test_bad_preset_inputs_are_one_line_and_write_nothing(preset, tmp_path, capsys, case, message):
@@ -102,12 +108,29 @@ def test_bad_preset_inputs_are_one_line_and_write_nothing(preset, tmp_path, caps
         model = tmp_path / "empty"
         model.mkdir()
         data = preset / "texts.csv"
+    elif case == "one integer class":
+        data.write_text("text,label\nthe film,1\na film,1\n")
+    elif case == "row without a label":
+        data.write_text("text,label\nthe film,1\na film\n")
+    elif case in ("null label", "list label"):
+        data = tmp_path / "d.jsonl"
+        label = "null" if case == "null label" else "[1]"
+        data.write_text(f'{{"text": "a", "label": {label}}}\n{{"text": "b", "label": 0}}\n')
+    elif case == "superscript label":
+        data.write_text("text,label\nthe film,\u00b2\na film,1\nsuperb film,\u00b2\n")
+        extra += ["--epochs", "1", "--sequence-length", "8", "-q"]
+    elif case == "too long":
+        data, extra = preset / "texts.csv", [*extra, "--sequence-length", "64"]  # the preset takes 8
     else:
         data, extra = preset / "texts.csv", []
     out = tmp_path / "out"
     code = main(["finetune", str(model), "--data", str(data), "--out", str(out), *extra])
-    assert code == 2
     err = capsys.readouterr().err
+    if message is None:  # not a mistake: it trains, with the names as classes
+        assert code == 0, err
+        assert json.loads((out / "report.json").read_text())["finetune"]["labels"] == ["1", "\u00b2"]
+        return
+    assert code == 2
     assert message in err and "Traceback" not in err
     assert not out.exists() or not any(p.name != ".finefreeze-resume" for p in out.iterdir())
 
@@ -116,3 +139,28 @@ def test_a_preset_without_keras_hub_names_the_extra(preset, monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "keras_hub", None)  # what an install without KerasHub sees: ImportError
     assert main(["inspect", str(preset / "preset")]) == 2
     assert "pip install 'finefreeze[hub]'" in capsys.readouterr().err
+
+
+def test_text_with_a_byte_order_mark_reads_as_text(preset, tmp_path, capsys):
+    data = tmp_path / "bom.csv"
+    data.write_bytes(b"\xef\xbb\xbf" + (preset / "texts.csv").read_bytes())  # Excel's "CSV UTF-8"
+    out = tmp_path / "out"
+    assert finetune(preset, data, out, "--plan", str(preset / "plan.json")) == 0, capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text())["finetune"]["labels"] == ["negative", "positive"]
+
+
+def test_select_on_a_preset_trains_the_whole_new_head_and_chooses_the_same_plan_twice(preset, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert finetune(preset, preset / "texts.csv", out, "--select", "fisher", "--budget", "5") == 0
+        runs.append(out)
+    plans = [json.loads((out / "selected-plan.json").read_text()) for out in runs]
+    assert plans[0] == plans[1]  # --resume of a --select run finds the same plan
+    tuned = keras.models.load_model(runs[0] / "tuned.keras", compile=False)
+    report = json.loads((runs[0] / "report.json").read_text())
+    assert report["totals"]["trainable_elements"] == 5 + tuned.get_layer("logits").count_params()
+    keras.utils.set_random_seed(7)  # another head: the delta brings the trained one
+    fresh = keras_hub.models.TextClassifier.from_preset(str(preset / "preset"), num_classes=2)
+    ff.load_delta(fresh, runs[0] / "delta.safetensors")
+    assert np.array_equal(fresh.predict(TEXTS, verbose=0), tuned.predict(TEXTS, verbose=0))

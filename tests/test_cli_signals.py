@@ -105,6 +105,31 @@ def test_sigterm_then_sigkill_then_resume_ends_as_the_uninterrupted_run(job, tmp
 
 
 @pytest.mark.slow
+def test_a_resumed_run_with_dropout_draws_the_masks_of_the_uninterrupted_run(tmp_path):
+    """Dropout's seed states are not weights: the resume point keeps them beside the weights."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16,))
+    h = keras.layers.Dropout(0.3)(keras.layers.Dense(32, activation="relu", name="a")(inp))
+    keras.Model(inp, keras.layers.Dense(3, name="head")(h)).save(tmp_path / "base.keras")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.normal(size=(8192, 16)).astype("float32"), y=rng.integers(0, 3, 8192))
+    (tmp_path / "plan.json").write_text(json.dumps({"rules": [{"freeze": "**/a/bias"}]}))
+    job = ["finetune", tmp_path / "base.keras", "--data", tmp_path / "d.npz", "--plan", tmp_path / "plan.json"]
+    job += ["--epochs", 4, "--batch-size", 16, "-q"]
+    code, _, err = finish(cli(*job, "--out", tmp_path / "straight"))
+    assert code == 0, err[-3000:]
+    out = tmp_path / "out"
+    proc = cli(*job, "--out", out)
+    wait_for(proc, lambda: epochs_saved(out) >= 1, "the first epoch")
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc)[0] == 143
+    code, _, err = finish(cli(*job, "--out", out, "--resume"))
+    assert code == 0, err[-3000:]
+    assert json.loads((out / "report.json").read_text())["finetune"]["resumed_after_epoch"] >= 1
+    assert weights_and_state(out / "tuned.keras") == weights_and_state(tmp_path / "straight" / "tuned.keras")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.3])
 def test_a_signal_after_the_last_line_never_changes_the_exit_status(delay):
     proc = cli("inspect", "--json")

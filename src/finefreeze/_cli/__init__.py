@@ -2,7 +2,7 @@
 
 Owns: argument parsing and exit codes (``commands``), the main job
 (``finetune``) and its batches (``epochs``), checked inputs (``inputs``), KerasHub preset folders and
-text data (``presets``) and ``--select`` (``selectfile``).
+text data (``presets``), ``--select`` (``selectfile``) and TensorFlow kept quiet (``quiet``).
 
 May import: every room. ``import finefreeze`` stays light: Keras is imported
 only once a command runs.

@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 from finefreeze._cli.inputs import check_model_file, load_model, load_plan, plan_from_keras_file
+from finefreeze._cli.quiet import quiet_tensorflow
 from finefreeze._files.atomic import (
     Terminated,
     UserError,
@@ -31,19 +32,6 @@ from finefreeze._files.atomic import (
 )
 
 __all__ = ["main", "build_parser"]
-
-
-def _quiet_tf() -> None:
-    """Silence TensorFlow's C++ and absl logging; runs before TensorFlow is imported."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")  # else a oneDNN notice is printed before logging is set up
-    os.environ.setdefault("ABSL_MIN_LOG_LEVEL", "3")
-    try:
-        import absl.logging  # light; TensorFlow's Python logging goes through it
-    except ImportError:
-        return
-    absl.logging.set_verbosity(absl.logging.ERROR)
-    absl.logging.set_stderrthreshold("error")
 
 
 def _bundled_model():
@@ -338,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     script): once it is done, Ctrl-C and SIGTERM are ignored, so the exit
     status stays what the command returned.
     """
-    _quiet_tf()
+    quiet_tensorflow()
     name = "finefreeze"
     try:
         with catch_interrupts(own_process=argv is None):

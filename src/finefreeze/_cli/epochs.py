@@ -1,15 +1,19 @@
 """The batches of a ``finetune`` run, and the ``fit`` that takes them.
 
-Batches are shuffled by a permutation drawn from the epoch number alone, so
-a run resumed at epoch 3 sees the batches an uninterrupted one would.
+Batches are shuffled by a permutation drawn from the epoch number alone, and
+the seed generators' states (dropout) are kept beside the resume point, so
+a run resumed at epoch 3 sees the batches and masks an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 import keras
 import numpy as np
 
-__all__ = ["shuffled", "plain"]
+__all__ = ["shuffled", "plain", "seed_states"]
 
 
 def shuffled(x, y, batch_size: int, epoch: int):
@@ -54,3 +58,54 @@ def plain(model, name: str):
     if hasattr(model, "_finefreeze_preprocessor"):
         return getattr(keras.Model, name).__get__(model)
     return getattr(model, name)
+
+
+def _seed_states(model) -> list:
+    """The state variables of the model's seed generators (dropout and friends), in layer order."""
+    out, seen = [], set()
+    for layer in model._flatten_layers(include_self=True):
+        for gen in getattr(layer, "_seed_generators", ()):
+            if id(gen) not in seen:
+                seen.add(id(gen))
+                out.append(gen.state)
+    return out
+
+
+def seed_states(model, folder: str):
+    """A callback that keeps the seed states of ``model`` beside the resume point in ``folder``.
+
+    Keras' ``BackupAndRestore`` saves the weights, not the seed generators'
+    states (they are variables, not weights), so a resumed run would draw
+    the dropout masks of epoch 1 again. After every epoch this writes the
+    states to ``seeds-<epochs done>.npz`` (atomically, before the resume
+    point of that epoch is written, keeping the one before), and at the
+    start of a resumed run it puts back the states of the epoch the resume
+    point holds.
+    """
+    states = _seed_states(model)
+
+    def path(done: int) -> str:
+        return os.path.join(folder, f"seeds-{done}.npz")
+
+    class SeedStates(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            try:
+                with open(os.path.join(folder, "training_metadata.json")) as f:
+                    done = int(json.load(f)["epoch"])
+                with np.load(path(done)) as saved:
+                    values = [saved[f"s{i}"] for i in range(len(states))]
+            except (OSError, ValueError, KeyError, TypeError):
+                return  # a fresh run (or no states kept): nothing to put back
+            for v, value in zip(states, values):
+                v.assign(value)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if not states:
+                return
+            tmp = path(epoch + 1) + ".tmp.npz"
+            np.savez(tmp, **{f"s{i}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(states)})
+            os.replace(tmp, path(epoch + 1))
+            if os.path.exists(path(epoch - 1)):
+                os.remove(path(epoch - 1))
+
+    return SeedStates()

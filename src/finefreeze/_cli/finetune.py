@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from finefreeze._cli.epochs import plain, shuffled
+from finefreeze._cli.epochs import plain, seed_states, shuffled
 from finefreeze._cli.inputs import check_model_file, data_kind, load_plan, plan_from_keras_file, training_inputs
 from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_preset
 from finefreeze._files.atomic import Staging, UserError, check_interrupt
@@ -170,7 +170,7 @@ def finetune(
     if data is not None and not os.path.exists(data):
         raise UserError(f"data file {data!r} does not exist")
     if data is not None and is_preset(model_path) != data.endswith(TEXT_SUFFIXES):
-        raise UserError(f"--data {data!r}: a model {model_path!r} takes {data_kind(model_path)}")
+        raise UserError(f"--data {data!r}: give {data_kind(model_path)}")
     settings = _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy)
     settings["sequence_length"] = sequence_length if is_preset(model_path) else None
     _check_resume(out, settings, resume, force)  # before anything loads a framework: a refusal is quick
@@ -245,7 +245,13 @@ def _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strateg
     }
 
 
-_WHAT = {"model": "MODEL", "data": "--data", "plan": "--plan/--select", "batch_size": "--batch-size"}
+_WHAT = {
+    "model": "MODEL",
+    "data": "--data",
+    "plan": "--plan/--select",
+    "batch_size": "--batch-size",
+    "sequence_length": "--sequence-length",
+}
 
 
 def _check_resume(out: str, settings: dict, resume: bool, force: bool) -> None:
@@ -343,6 +349,7 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
             shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
             verbose=2 if verbose == 1 and not _terminal() else verbose,  # a log gets one line per epoch
             callbacks=[
+                seed_states(model, point),  # before BackupAndRestore: its epoch's seeds are on disk first
                 keras.callbacks.BackupAndRestore(point, delete_checkpoint=False, double_checkpoint=True),
                 board,
                 _stop_on_interrupt(),
@@ -399,6 +406,7 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
         "epochs": epochs,
         "batch_size": batch_size,
         "resumed_after_epoch": first_epoch,  # history holds the epochs this run trained
+        "labels": getattr(model, "_finefreeze_labels", None),  # a preset's classes: output k is labels[k]
     }
     with open(stage.path("report.json"), "w") as f:
         json.dump(rep, f, indent=2, default=_json_default)

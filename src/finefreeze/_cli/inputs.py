@@ -202,8 +202,8 @@ def load_data(path: str | None, model) -> tuple[tuple, tuple]:
 def data_kind(model_path: str | None) -> str:
     """What ``--data`` a model takes, for messages."""
     if is_preset(model_path):
-        return "a KerasHub preset folder takes text data: a .csv with columns text,label, or a .jsonl"
-    return "a .keras model takes DATA.npz with arrays x and y"
+        return "text data: a .csv with columns text,label, or a .jsonl, for a KerasHub preset folder"
+    return "DATA.npz with arrays x and y, for a .keras model"
 
 
 def training_inputs(model_path: str | None, data: str | None, *, sequence_length: int = 128):

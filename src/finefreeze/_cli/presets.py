@@ -14,12 +14,13 @@ import csv
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 
 from finefreeze._files.atomic import UserError
 
-__all__ = ["is_preset", "check_preset", "load_preset", "load_text_data", "text_task", "digest_folder"]
+__all__ = ["is_preset", "check_preset", "load_preset", "load_text_data", "text_task", "new_head", "digest_folder"]
 
 HUB_HINT = "pip install 'finefreeze[hub]' (KerasHub)"
 TEXT_SUFFIXES = (".csv", ".jsonl")
@@ -83,7 +84,7 @@ def _first_line(e: Exception) -> str:
 
 def _rows(path: str) -> list[tuple[object, object]]:
     if path.endswith(".csv"):
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Excel) is no header
             reader = csv.DictReader(f)
             missing = [c for c in ("text", "label") if c not in (reader.fieldnames or ())]
             if missing:
@@ -93,7 +94,7 @@ def _rows(path: str) -> list[tuple[object, object]]:
                 )
             return [(r["text"], r["label"]) for r in reader]
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -123,17 +124,22 @@ def load_text_data(path: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
     if bad is not None:
         raise UserError(f"text data {path!r}, row {bad + 1}: the text is {texts[bad]!r}, not a string")
+    for i, (_, label) in enumerate(rows):
+        if isinstance(label, bool) or not isinstance(label, (str, int)) or not str(label).strip():
+            raise UserError(
+                f"text data {path!r}, row {i + 1}: the label is {label!r}; give an integer 0..K-1 or a class name"
+            )
     raw = [str(label).strip() for _, label in rows]
-    if all(r.lstrip("-").isdigit() for r in raw):
+    if len(set(raw)) < 2:
+        raise UserError(f"text data {path!r}: every row has the label {raw[0]!r}; give at least two classes")
+    if all(re.fullmatch(r"-?[0-9]+", r) for r in raw):
         labels = np.array([int(r) for r in raw], np.int64)
         if labels.min() < 0:
             raise UserError(f"text data {path!r}: labels must be 0 or more (found {labels.min()})")
-        names = [str(k) for k in range(int(labels.max()) + 1)]
+        names = [str(k) for k in range(int(labels.max()) + 1)]  # class k is label k, used or not
     else:
         names = sorted(set(raw))
         labels = np.array([names.index(r) for r in raw], np.int64)
-    if len(names) < 2:
-        raise UserError(f"text data {path!r}: every row has the label {names[0]!r}; give at least two classes")
     return np.array(texts, dtype=object), labels, names
 
 
@@ -155,15 +161,35 @@ def text_task(path: str, data: str, *, sequence_length: int):
         raise UserError(
             f"cannot make a text classifier from preset {path!r}: {type(e).__name__}: {_first_line(e)}"
         ) from None
+    longest = getattr(model.backbone, "max_sequence_length", None)
+    if longest is not None and sequence_length > longest:
+        raise UserError(
+            f"--sequence-length {sequence_length} is longer than preset {path!r} allows "
+            f"(max_sequence_length {longest}); pass --sequence-length {longest} or less"
+        )
     import keras
 
     x = keras.tree.map_structure(lambda t: np.asarray(keras.ops.convert_to_numpy(t)), pre(list(texts)))
     model.preprocessor = None
     model._finefreeze_preprocessor = pre  # put back by the caller before it saves
+    model._finefreeze_labels = names  # class k stands for names[k] (report.json)
     cut = max(1, len(labels) // 10)
     train = ({k: v[:-cut] for k, v in x.items()}, labels[:-cut])
     val = ({k: v[-cut:] for k, v in x.items()}, labels[-cut:])
     return model, train, val, names
+
+
+def new_head(model) -> list[str]:
+    """Selectors (``**/<layer>/**``) of the layers of a preset's task outside its backbone: the new head, or []."""
+    backbone = getattr(model, "backbone", None)
+    if backbone is None or not hasattr(model, "_finefreeze_preprocessor"):
+        return []
+    inside = {id(w) for w in backbone.weights}
+    return [
+        f"**/{layer.name}/**"
+        for layer in model.layers
+        if layer.weights and not any(id(w) in inside for w in layer.weights)
+    ]
 
 
 def digest_folder(path: str) -> str:

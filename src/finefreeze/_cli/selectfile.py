@@ -6,6 +6,7 @@ import os
 
 from finefreeze._cli.finetune import UserError, loss_for
 from finefreeze._cli.inputs import data_kind, training_inputs
+from finefreeze._cli.presets import new_head
 from finefreeze._errors import PlanError
 from finefreeze._select.scores import SCORES
 from finefreeze._select.select import select
@@ -44,10 +45,14 @@ def select_to_file(
     if model_path is not None and data_path is None:
         raise UserError(f"--data is required with a model ({data_kind(model_path)})")
     b = _budget(budget)
+    import keras
+
+    keras.utils.set_random_seed(0)  # a preset's new head as finetune makes it: the same command, the same plan
     model, (x, y), _ = training_inputs(model_path, data_path, sequence_length=sequence_length)
     loss, _ = loss_for(model, y)
+    head = new_head(model)  # a preset's new head always trains: it starts random, and a delta must carry it
     try:
-        plan = select(model, (x, y), budget=b, score=score, loss=loss, verbose=0)
+        plan = select(model, (x, y), budget=b, score=score, loss=loss, include=head or None, verbose=0)
     except PlanError as e:
         raise UserError(f"--select {score} --budget {budget}: {e}") from None
     os.makedirs(out, exist_ok=True)
