@@ -179,7 +179,7 @@ MUTATIONS = [
     (
         "LoRA: a base kernel enable_lora switched off kept outside plans",
         "_resolve/targets.py",
-        "            off = _lora_base(layer, v) and not base_trainable(v)",
+        "            off = not base_trainable(v) and (_lora_base(layer, v) or (lora_root and made_trainable))",
         "            off = False",
         "tests/test_lora.py",
     ),
