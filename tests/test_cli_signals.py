@@ -187,3 +187,26 @@ def test_an_error_a_signal_caused_inside_a_library_is_the_interrupt(monkeypatch,
     assert commands.main(["inspect"]) == 130
     err = capsys.readouterr().err
     assert "interrupted; no file was left half-written" in err and "TypeError" not in err
+
+
+@pytest.mark.slow
+def test_an_error_a_signal_caused_after_training_keeps_the_resume_point(monkeypatch, capsys, tmp_path):
+    """A signal a library turns into its own error while the picture is drawn: the epochs trained stay resumable."""
+    import finefreeze as ff
+    from finefreeze._cli import commands
+
+    def plot_hit_by_the_signal(self, path, **kw):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise RuntimeError("the figure could not be drawn") from None
+
+    monkeypatch.setattr(ff.Freezer, "plot", plot_hit_by_the_signal)
+    out = tmp_path / "out"
+    assert commands.main(["finetune", "--out", str(out), "--epochs", "1", "-q"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "--resume to continue after epoch 1" in err and "RuntimeError" not in err
+    kept = set(os.listdir(out / ".finefreeze-resume"))
+    assert {"settings.json", "latest.weights.h5"} <= kept, kept
+    assert sorted(os.listdir(out)) == [".finefreeze-resume"]  # no output of the run is in place

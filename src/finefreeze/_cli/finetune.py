@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 from finefreeze._cli.epochs import plain, seed_states, shuffled
 from finefreeze._cli.inputs import check_model_file, data_kind, load_plan, plan_from_keras_file, training_inputs
 from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_preset
-from finefreeze._files.atomic import Staging, UserError, check_interrupt
+from finefreeze._files.atomic import Staging, Terminated, UserError, check_interrupt, interrupted
 
 __all__ = ["finetune", "Result", "OUTPUTS", "RESUME", "training_inputs", "data_kind"]  # the last two from inputs
 
@@ -206,17 +207,26 @@ def finetune(
                 print_fn,
             )
         except KeyboardInterrupt as e:
-            if not os.path.exists(os.path.join(point, "latest.weights.h5")):  # no epoch finished: nothing to resume
-                shutil.rmtree(point, ignore_errors=True)
-            else:  # the interrupt line says how to go on
-                e.add_note(f"rerun the same command with --resume to continue after epoch {_done_epochs(point)}")
+            _interrupted_at(point, e)
             raise
-        except Exception:
+        except Exception as e:
+            if interrupted():  # an error the signal caused (a library turned it into its own): the interrupt
+                stop = Terminated() if interrupted() == signal.SIGTERM else KeyboardInterrupt()
+                _interrupted_at(point, stop)
+                raise stop from e
             if not resume:  # an error, not an interrupt: there is nothing to resume
                 shutil.rmtree(point, ignore_errors=True)
             raise
         shutil.rmtree(point, ignore_errors=True)  # the outputs are in place: nothing left to resume
         return result
+
+
+def _interrupted_at(point: str, e: KeyboardInterrupt) -> None:
+    """Keep the resume point if an epoch finished (the interrupt line then says how to go on), else remove it."""
+    if not os.path.exists(os.path.join(point, "latest.weights.h5")):  # no epoch finished: nothing to resume
+        shutil.rmtree(point, ignore_errors=True)
+    else:
+        e.add_note(f"rerun the same command with --resume to continue after epoch {_done_epochs(point)}")
 
 
 def _digest(path: str | None) -> str | None:
