@@ -118,7 +118,9 @@ def main():
         f"## {keras.backend.backend()}: Embedding({a.vocab:,} x {a.dim}) + head, {a.rows} new rows train, "
         f"batch 192 x 32, Adam, {a.threads or 'default'} thread(s); frozen step {statistics.median(floor_ms):.1f} ms\n"
     )
-    print("| variant | strategy | step / frozen step | optimizer elements / dense Adam state of the table | frozen rows |")
+    print(
+        "| variant | strategy | step / frozen step | optimizer elements / dense Adam state of the table | frozen rows |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for name, r in ratios.items():
         frz, before, opt = info[name]

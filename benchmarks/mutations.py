@@ -130,7 +130,7 @@ MUTATIONS = [
     (
         "compact: an embedding's sparse gradient densified (its rows' sparse update lost)",
         "_backends/variables.py",
-        "    if not _is_sparse(grad):\n        return ops.take(flat_dense(grad), idx, axis=0)",
+        "    if not is_sparse(grad):\n        return ops.take(flat_dense(grad), idx, axis=0)",
         "    if True:\n        return ops.take(flat_dense(grad), idx, axis=0)",
         "tests/test_seams.py -k sparse_path",
     ),
@@ -183,6 +183,20 @@ MUTATIONS = [
         "            off = False",
         "tests/test_lora.py",
     ),
+    (
+        "slices: the block keeps only lines trained whole (trained elements outside it)",
+        "_enforce/slices.py",
+        "along = trained.any(axis=tuple(a for a in range(trained.ndim) if a != axis))",
+        "along = trained.all(axis=tuple(a for a in range(trained.ndim) if a != axis))",
+        "tests/test_slices.py -k masks_that_are_slices or rows",
+    ),
+    (
+        "slices: the block's weight gradient written back at the wrong place",
+        "_backends/slices.py",
+        "                width[axis] = (place[0], self.shape[axis] - place[1])",
+        "                width[axis] = (0, self.shape[axis] - place[1] + place[0])",
+        "tests/test_slices.py -k layers_own",
+    ),
 ]
 
 
@@ -195,7 +209,18 @@ def run(index: int, mutation) -> tuple[str, float]:
     t0 = time.time()
     try:
         path.write_text(source.replace(old, new))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *tests.split(" -k ")[0].split()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            *tests.split(" -k ")[0].split(),
+        ]
         if " -k " in tests:
             cmd += ["-k", tests.split(" -k ", 1)[1]]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

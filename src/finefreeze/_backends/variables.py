@@ -19,6 +19,7 @@ TensorFlow is imported only when it is the Keras backend.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import keras
@@ -29,6 +30,9 @@ from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.questions import keras_is_jax, tensorflow, tensorflow_imported
 
 __all__ = [
+    "block_write",
+    "take_block",
+    "is_sparse",
     "current",
     "own_buffers",
     "unravel",
@@ -68,14 +72,14 @@ def current(v):
     return v.value
 
 
-def _is_sparse(grad) -> bool:
+def is_sparse(grad) -> bool:
     tf = tensorflow_imported()
     return tf is not None and isinstance(grad, tf.IndexedSlices)
 
 
 def select_frozen_to_zero(mask, grad):
     """``grad`` with frozen elements (``mask`` True) selected to 0 (``where``, never a product)."""
-    if _is_sparse(grad):  # TensorFlow embeddings: stay sparse, select the touched rows only
+    if is_sparse(grad):  # TensorFlow embeddings: stay sparse, select the touched rows only
         tf = tensorflow_imported()
         rows = tf.gather(mask, grad.indices)
         values = tf.where(rows, tf.zeros_like(grad.values), grad.values)
@@ -116,7 +120,7 @@ def take_trainable(grad, idx, shape):
     whole table, bit for bit, at the cost of the batch's rows rather than of
     the table.
     """
-    if not _is_sparse(grad):
+    if not is_sparse(grad):
         return ops.take(flat_dense(grad), idx, axis=0)
     tf = tensorflow_imported()
     row = math.prod(shape[1:])
@@ -151,7 +155,7 @@ def _in_xla() -> bool:
 
 def flat_dense(grad):
     """``grad`` as a dense flat tensor (an ``IndexedSlices`` is densified)."""
-    if _is_sparse(grad):
+    if is_sparse(grad):
         grad = tensorflow_imported().convert_to_tensor(grad)
     return keras.ops.reshape(keras.ops.convert_to_tensor(grad), (-1,))
 
@@ -185,6 +189,31 @@ def _functional_scatter(var, flat_index, values):
     flat = keras.ops.reshape(var.value, (-1,))
     flat = keras.ops.scatter_update(flat, keras.ops.expand_dims(flat_index, 1), values)
     return var.assign(keras.ops.reshape(flat, var.shape))
+
+
+def take_block(t, block: tuple):
+    """``t[block]`` flattened: the elements of a block of ranges (a tuple of slices), in C order."""
+    return ops.reshape(ops.convert_to_tensor(t)[block], (-1,))
+
+
+def _tf_block(var, values, block=()):
+    return var[block].assign(values)
+
+
+def _functional_block(var, values, block=()):
+    start = [s.start or 0 for s in block]
+    return var.assign(ops.slice_update(var.value, start, values))
+
+
+def block_write(variable, block: tuple, values) -> tuple:
+    """A write (for :func:`write_all`) that puts ``values`` (flat, C order) into the block ``block`` of ``variable``.
+
+    TensorFlow assigns the slice in place (``ResourceStridedSliceAssign``);
+    JAX and PyTorch update the slice of the value (``slice_update``).
+    """
+    shape = tuple(s.stop - (s.start or 0) for s in block)
+    fn = _tf_block if tensorflow() is not None else _functional_block
+    return (variable, functools.partial(fn, block=block), (ops.reshape(values, shape),))
 
 
 def scatter_write(variable, flat_index, values) -> tuple:

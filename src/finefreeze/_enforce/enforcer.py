@@ -37,11 +37,14 @@ from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.questions import tensorflow
 from finefreeze._backends.variables import (
     assign,
+    block_write,
     current,
     eager_scope,
+    is_sparse,
     scatter_write,
     select_frozen_to_zero,
     snapshot,
+    take_block,
     take_trainable,
     take_values,
 )
@@ -78,6 +81,7 @@ class Enforcer:
     shadow: Any = None  # flat optimizer variable of trainable values: compact
     born: Any = None  # int32 optimizer variable: the step its elements were released at (see optimizer.ages)
     u_product: Any = None  # float32 optimizer variable beside born: Nadam's running product, per release
+    block: Any = None  # compact: the trained elements as a block of ranges (slices), taken and written as one
 
     @property
     def inner_variable(self):
@@ -95,9 +99,17 @@ class Enforcer:
         """
         if self.kind == Kind.COMPACT:
             idx = self.index.value
-            values = take_values(self.variable, idx)  # the trainable elements only, not a copy of the variable
+            if self.block is not None:  # the same elements in the same order, by slices
+                values = take_block(current(self.variable), self.block)
+            else:
+                values = take_values(self.variable, idx)  # the trainable elements only, not a copy of the variable
             writes.append((self.shadow, assign, (values,)))
-            g = None if grad is None else take_trainable(grad, idx, self.shape)
+            if grad is None:
+                g = None
+            elif self.block is not None and not is_sparse(grad):
+                g = take_block(grad, self.block)
+            else:
+                g = take_trainable(grad, idx, self.shape)
             return g, (values if self.scale is not None else None)
         old = snapshot(self.variable) if self.needs_snapshot() else None
         if grad is None or self.kind == Kind.TRAIN:
@@ -110,7 +122,10 @@ class Enforcer:
             new = self.shadow.value
             if old is not None:
                 new = old + ops.cast(self.scale.value, ops.dtype(new)) * (new - old)
-            writes.append(scatter_write(self.variable, self.index.value, new))
+            if self.block is not None:
+                writes.append(block_write(self.variable, self.block, new))
+            else:
+                writes.append(scatter_write(self.variable, self.index.value, new))
             return
         if old is None:
             return
@@ -165,6 +180,7 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
             initializer="zeros" if loaded else _const(_eager_values(v, idx)),
             aggregation="none",
         )
+        enf.block = None if loaded else e.block
     elif e.kind in (Kind.RESTORE, Kind.MASK):
         dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
         enf.mask = add_variable(

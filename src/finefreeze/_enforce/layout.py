@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from finefreeze._enforce.policy import choose_kind, compact_refusal, sparse_gradients
+from finefreeze._enforce.slices import exact_block, sliced_gradient
 from finefreeze._errors import PlanError
 from finefreeze._kinds import KINDS, Kind
 from finefreeze._resolve.masks import ElementMask
@@ -60,6 +61,8 @@ class VarLayout:
     mask: ElementMask | None = None
     n_trainable: int = 0
     scale: Any = 1.0
+    # compact of a sliced kernel whose trained elements are exactly a block of ranges: taken by slices
+    block: tuple | None = None
 
     @property
     def size(self) -> int:
@@ -179,9 +182,12 @@ class Layout:
             elif kind == TRAINABLE:
                 entry = VarLayout(s.path, shape, Kind.TRAIN, None, s.info.size, scale)
             else:
-                sparse = sparse_gradients(s.info.owner)
-                k = choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, sparse, s.path)
-                entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale)
+                # a sparse or sliced gradient: compact's step costs the trained part, restore's the whole variable
+                sliced = sliced_gradient(s.info.owner, s.variable) is not None
+                cheap = sparse_gradients(s.info.owner) or sliced
+                k = choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, cheap, s.path)
+                block = exact_block(s.mask.dense()) if sliced and k == Kind.COMPACT else None
+                entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale, block)
             pairs.append((s.variable, entry))
             if s.info.raw is not s.variable:
                 pairs.append((s.info.raw, entry))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import warnings
 import weakref
 from typing import Any
 
@@ -13,11 +12,12 @@ from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.distribute import check_optimizer, check_scope, owner_scope
 from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._enforce.layout import Layout
-from finefreeze._errors import FreezeWarning, FrozenValueChanged, PlanError
+from finefreeze._errors import FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
 from finefreeze._freezer.base import FreezerBase, as_plan
-from finefreeze._freezer.keras_flags import flag_changes, set_flags, warn_switched_off
+from finefreeze._freezer.keras_flags import honour_flags, set_flags, warn_switched_off
 from finefreeze._freezer.reload import adopt_checkpoint, rebuild_freezer
+from finefreeze._freezer.sliced_calls import set_sliced
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
 from finefreeze._report.state_size import describe
@@ -45,6 +45,11 @@ class Freezer(FreezerBase):
         plan: the :class:`Plan` (a list of rules is accepted too).
         strategy: how partially frozen variables are enforced by
             :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
+        gradients: ``"dense"`` (the default): every kernel's whole weight
+            gradient, as plain Keras computes it; ``"sliced"``: a kernel of a
+            ``Dense``, ``EinsumDense`` or ``Conv`` layer whose trained
+            elements form a slice (rows, columns, channels, heads) gets the
+            weight gradient of that slice only (docs/strategies.md).
 
     Raises:
         PlanError: the plan does not resolve against ``target``.
@@ -76,8 +81,11 @@ class Freezer(FreezerBase):
                 return GraphFreezer(*args, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto"):
+    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", gradients: str = "dense"):
         super().__init__(plan, strategy)
+        if gradients not in ("sliced", "dense"):
+            raise PlanError(f"gradients={gradients!r}: give 'dense' or 'sliced' (slices get their own gradient)")
+        self._gradients = gradients
         self._target = collect(target)
         check_scope(
             [vi.variable for vi in self._target.variables], "the Freezer", [vi.path for vi in self._target.variables]
@@ -134,6 +142,7 @@ class Freezer(FreezerBase):
             self.
         """
         set_flags(self._target, self._res)
+        set_sliced(self._target, self._res, self, self._gradients == "sliced")
         if any(o.built and o.trains_outside() for o in self.optimizers()):
             return self.update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
         self._retrace()
@@ -206,7 +215,8 @@ class Freezer(FreezerBase):
         (flags, layout, optimizer state, fingerprints), and a failure while
         the change is put in force is rolled back. Element-mask and
         ``lr_scale`` changes of variables that stay partially frozen take
-        effect without retracing. Variable-level changes set the Keras flags,
+        effect without retracing, unless the trained slice of a sliced kernel
+        changes with ``gradients="sliced"`` (the slice is part of the step). Variable-level changes set the Keras flags,
         rebuild the optimizers' per-variable state around the same inner
         optimizer and retrace the train function. Elements that keep training
         keep their state; released ones get a fresh optimizer's (zero moments,
@@ -248,11 +258,13 @@ class Freezer(FreezerBase):
         self._res = res
         try:
             flags_changed = set_flags(self._target, self._res)
+            flags_changed |= set_sliced(self._target, self._res, self, self._gradients == "sliced")
             var_list = self.trainable_variables_for_build()
             layouts = [opt.prepare_change(res, var_list) for opt in opts]
         except Exception:
             self._res = old
             set_flags(self._target, self._res)
+            set_sliced(self._target, self._res, self, self._gradients == "sliced")
             raise
         step = self.step
         earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
@@ -268,6 +280,7 @@ class Freezer(FreezerBase):
                 opts[0].undo_change(u)
             self._res = old
             set_flags(self._target, self._res)
+            set_sliced(self._target, self._res, self, self._gradients == "sliced")
             self._retrace()
             raise
         self._earlier += earlier
@@ -339,7 +352,7 @@ class Freezer(FreezerBase):
         Returns:
             The wrapping ``FreezingOptimizer``.
         """
-        self._honour_keras_flags()
+        honour_flags(self)  # layer.trainable switched since the flags were set: rules of the plan
         warn_switched_off(self._res)
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
@@ -356,22 +369,6 @@ class Freezer(FreezerBase):
         self._wrapped.append(weakref.ref(opt))
         self.last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
         return opt
-
-    def _honour_keras_flags(self) -> None:
-        """Turn ``layer.trainable`` switches made since the flags were set into plan rules (with a warning)."""
-        changes = flag_changes(self._target, self._res)
-        if not changes:
-            return
-        old = self._res.plan
-        plan = Plan([*old.rules, *(rule for _, rule in changes)], strict=old.strict, batchnorm=old.batchnorm)
-        self.update(plan)
-        what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
-        warnings.warn(
-            f"Keras' trainable flag changed after the Freezer set it ({what}). The Freezer honours it "
-            "(see history); to silence this, change the plan with Freezer.update instead.",
-            FreezeWarning,
-            stacklevel=3,
-        )
 
     @classmethod
     def of(cls, model: Any) -> Freezer | None:

@@ -23,13 +23,14 @@ import keras
 
 from finefreeze._errors import FreezeWarning
 from finefreeze._kinds import State
+from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import Rule, freeze, train
 from finefreeze._resolve.blocks import layers_under as _walk
 from finefreeze._resolve.resolve import FROZEN, UNTRAINED
 from finefreeze._resolve.scopes import layer_scope
 from finefreeze._resolve.targets import base_trainable, remember_base
 
-__all__ = ["flag_changes", "set_flags", "set_layer_flags", "warn_switched_off"]
+__all__ = ["flag_changes", "honour_flags", "set_flags", "set_layer_flags", "warn_switched_off"]
 
 _SET = "_finefreeze_set_trainable"
 _CALL = "_finefreeze_inference_call"
@@ -149,6 +150,22 @@ def flag_changes(target, res) -> list[tuple[str, Rule]]:
         rule = train(sel) if layer.trainable else freeze(sel)
         out.append((f"{layer.name}.trainable = {bool(layer.trainable)}", rule))
     return out
+
+
+def honour_flags(frz) -> None:
+    """Turn ``layer.trainable`` switches made since ``frz`` set the flags into rules of its plan (with a warning)."""
+    changes = flag_changes(frz.target, frz.resolution)
+    if not changes:
+        return
+    old = frz.resolution.plan
+    frz.update(Plan([*old.rules, *(rule for _, rule in changes)], strict=old.strict, batchnorm=old.batchnorm))
+    what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
+    warnings.warn(
+        f"Keras' trainable flag changed after the Freezer set it ({what}). The Freezer honours it "
+        "(see history); to silence this, change the plan with Freezer.update instead.",
+        FreezeWarning,
+        stacklevel=3,
+    )
 
 
 def set_flags(target, res) -> bool:

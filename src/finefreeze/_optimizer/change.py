@@ -52,6 +52,8 @@ def in_place(opt, layout: Layout, var_list) -> bool:
         enf = old.by_id.get(id(v))
         if enf is None or enf.kind != e.kind or (e.kind == Kind.COMPACT and enf.index.shape[0] != e.n_trainable):
             return False
+        if e.kind == Kind.COMPACT and enf.block != e.block:
+            return False  # a sliced kernel's step takes its trained block by slices: rebuilt (and retraced)
         scale = scale_value(e, enf)
         if (scale is None) != (enf.scale is None) or (
             scale is not None and tuple(scale.shape) != tuple(enf.scale.shape)

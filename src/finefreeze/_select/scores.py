@@ -18,6 +18,7 @@ import numpy as np
 from finefreeze._backends import gradients
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.questions import tensorflow_imported
+from finefreeze._backends.slices import full_gradients
 from finefreeze._errors import PlanError
 
 __all__ = ["SCORES", "batches", "loss_function", "stream_scores", "static_score"]
@@ -151,6 +152,27 @@ def stream_scores(
     With a ``cache`` dict (a callback scoring again and again), the
     accumulators and compiled steps are kept there and reused, not released.
     """
+    with full_gradients():  # every element is scored: no layer computes the weight gradient of its slice only
+        return _scores(
+            model,
+            variables,
+            data,
+            score,
+            loss,
+            batch_size,
+            limit,
+            microbatch,
+            epochs,
+            optimizer,
+            verbose,
+            per_example,
+            cache,
+        )
+
+
+def _scores(
+    model, variables, data, score, loss, batch_size, limit, microbatch, epochs, optimizer, verbose, per_example, cache
+):
     prep = preprocessor(model)
     if cache:
         grads = cache["grads"]

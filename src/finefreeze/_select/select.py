@@ -15,6 +15,7 @@ from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import FROZEN, UNTRAINED, resolve
 from finefreeze._resolve.targets import collect
 from finefreeze._select.scores import DATA_SCORES, SCORES, static_score, stream_scores
+from finefreeze._select.structure import STRUCTURES, choose_slices, slice_axis
 
 __all__ = ["select", "top_k", "split_budget"]
 
@@ -108,6 +109,7 @@ def select(
     exclude: Any = None,
     loss: Any = None,
     per_variable: bool = False,
+    structure: str = "elements",
     largest: bool = True,
     batch_size: int = 32,
     batches: int | None = None,
@@ -149,6 +151,10 @@ def select(
         per_variable: give each variable a quota in proportion to its
             candidates (largest remainders; the quotas add up to the budget)
             instead of one global top-k.
+        structure: ``"elements"``, or whole slices by their mean score:
+            ``"rows"``, ``"columns"``, ``"channels"`` or ``"heads"``
+            (:mod:`finefreeze._select.structure`); a kernel that trains
+            slices gets their weight gradient only (docs/strategies.md).
         largest: for ``magnitude``: the largest (True) or smallest weights.
         batch_size: batch size when ``data`` is arrays.
         batches: use at most this many batches (per epoch for ``delta``).
@@ -193,6 +199,8 @@ def select(
             raise PlanError(f"select: {name} must be an int >= 1; got {v!r}.")
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
+    if structure not in STRUCTURES:
+        raise PlanError(f"select: structure={structure!r}; choose one of {', '.join(map(repr, STRUCTURES))}.")
     if per_example not in ("auto", "vectorized", "loop"):
         raise PlanError(f"select: per_example={per_example!r}; choose 'auto', 'vectorized' or 'loop'.")
     if score in DATA_SCORES:
@@ -254,11 +262,23 @@ def select(
             raise PlanError(
                 f"select: the {score} score of {vi.path} (shape {vi.shape}) has NaN; check the data and the loss."
             )
+    axes = [slice_axis(structure, vi.shape, vi.owner) for vi in cand]
+    if structure != "elements":
+
+        def pick(s, m, a, q):
+            return choose_slices(s, m, a, q)
+    else:
+
+        def pick(s, m, a, q):
+            return top_k(s, m, q)
+
     if per_variable:
         quotas = split_budget(k, [int(np.count_nonzero(m)) for m in allowed])
-        chosen = [top_k([s], [m], q)[0] if q else np.zeros_like(m) for s, m, q in zip(scores, allowed, quotas)]
+        chosen = [
+            pick([s], [m], [a], q)[0] if q else np.zeros_like(m) for s, m, a, q in zip(scores, allowed, axes, quotas)
+        ]
     else:
-        chosen = top_k(scores, allowed, k)
+        chosen = pick(scores, allowed, axes, k)
     rules = [freeze("**")]
     if include is not None:
         rules += [train(s) for s in (include if isinstance(include, (list, tuple)) else [include])]

@@ -1,0 +1,187 @@
+"""What a trained slice of a kernel costs: the weight gradient of the slice only, against the full step.
+
+Model: an MLP of ``--depth`` Dense(``--width``, relu) layers and a
+Dense(10) head, batch ``--batch``, Adam, Keras' own training step
+(``train_on_batch``: ``tf.function`` on TensorFlow, ``jax.jit`` on JAX,
+eager on PyTorch). Variants, each its own model and optimizer, built and
+warmed up first, then timed in interleaved rounds (A B C ..., A B C ...):
+
+- ``full``: plain Keras, everything trains;
+- ``floor``: every kernel frozen, biases train (forward and backward with
+  input gradients, no weight gradient at all);
+- ``cols 10 %``, ``cols 1 %``, ``rows 10 %``: in every hidden kernel but the
+  first, that share of output columns / input rows trains, the rest of the
+  kernels frozen (``gradients="sliced"``: the slice's own weight gradient);
+- ``cols 10 % dense``: the same plan with ``gradients="dense"`` (the whole
+  weight gradient, then the strategy keeps the frozen part);
+- ``elements 10 %``: 10 % of each such kernel's elements at random (no slice).
+
+``excess = (step - floor) / (full - floor)`` per round: 1.0 means the frozen
+part cost as much as training it, 0.1 what training a tenth should cost.
+Printed: the median over rounds (min-max), step / full step, the optimizer's
+state as a share of plain Adam's, the frozen elements bit-identical
+(``verify``), and above the table the rounding of the slice's gradient (one
+batch's gradient of the trained elements against the dense path's, relative
+to the largest).
+
+    python benchmarks/slices.py [--rounds 7] [--steps 10] [--threads 1]
+    KERAS_BACKEND=jax python benchmarks/slices.py
+    KERAS_BACKEND=jax python benchmarks/slices.py --width 8192 --depth 8 --batch 4096 --threads 0   # a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cost import threads  # noqa: E402
+
+
+def one_gradient(model, x, y, loss):
+    """``(paths, gradients)`` of the model's trainable variables on one batch, on the backend in force."""
+    import keras
+    import numpy as np
+
+    variables = list(model.trainable_variables)
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x))
+        grads = tape.gradient(value, variables)
+    elif backend == "jax":
+        import jax
+
+        def pure(values):
+            with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                return loss(y, model(x))
+
+        grads = jax.grad(pure)([v.value for v in variables])
+    else:
+        for v in variables:
+            v.value.grad = None
+        loss(y, model(x)).backward()
+        grads = [v.value.grad for v in variables]
+    return [v.path for v in variables], [np.asarray(keras.ops.convert_to_numpy(g)) for g in grads]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--width", type=int, default=896)
+    ap.add_argument("--depth", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=192)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated variants (full and floor always run)")
+    a = ap.parse_args()
+    threads(a.threads)
+
+    import keras
+    import numpy as np
+
+    import finefreeze as ff
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(a.batch, a.width)).astype("float32")
+    y = rng.integers(0, 10, a.batch).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    w = a.width
+    hidden = [f"d{i}" for i in range(1, a.depth)]  # every hidden kernel but the first
+
+    def model():
+        keras.utils.set_random_seed(0)
+        i = keras.Input((w,))
+        h = i
+        for k in range(a.depth):
+            h = keras.layers.Dense(w, activation="relu", name=f"d{k}")(h)
+        return keras.Model(i, keras.layers.Dense(10, name="head")(h), name="mlp")
+
+    def sliced(index):
+        return ff.Plan([ff.freeze("**/kernel"), *(ff.train(f"**/{n}/kernel{index}") for n in hidden)])
+
+    elements = ff.Plan(
+        [ff.freeze("**/kernel")] + [ff.train(f"**/{n}/kernel", mask=rng.random((w, w)) < 0.10) for n in hidden]
+    )
+    plans = {
+        "full": None,
+        "floor": (ff.Plan([ff.freeze("**/kernel")]), "dense"),
+        "cols 10 %": (sliced(f"[:, :{w // 10}]"), "sliced"),
+        "cols 10 % dense": (sliced(f"[:, :{w // 10}]"), "dense"),
+        "cols 10 % restore": (sliced(f"[:, :{w // 10}]"), "sliced", "restore"),
+        "cols 1 %": (sliced(f"[:, :{max(1, w // 100)}]"), "sliced"),
+        "rows 10 %": (sliced(f"[:{w // 10}]"), "sliced"),
+        "elements 10 %": (elements, "sliced"),
+    }
+    only = {s.strip() for s in a.only.split(",") if s.strip()}
+    plans = {k: v for k, v in plans.items() if k in ("full", "floor") or not only or k in only}
+    variants, info = {}, {}
+    for name, spec in plans.items():
+        m = model()
+        before = [np.array(keras.ops.convert_to_numpy(v), copy=True) for v in m.weights]
+        if spec is None:
+            frz, opt = None, keras.optimizers.Adam(1e-3)
+        else:
+            frz = ff.Freezer(m, spec[0], gradients=spec[1], strategy=spec[2] if len(spec) > 2 else "auto")
+            opt = frz.wrap(keras.optimizers.Adam(1e-3))
+        m.compile(optimizer=opt, loss=loss)
+        m.train_on_batch(x, y)  # builds, traces, warms up
+        m.train_on_batch(x, y)
+        variants[name], info[name] = m, (frz, opt, before)
+    times = {k: [] for k in variants}
+    for _ in range(a.rounds):
+        for name, m in variants.items():
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                m.train_on_batch(x, y)
+            times[name].append((time.perf_counter() - t0) / a.steps)
+    # rounding: the gradient of one batch, the slice's against the dense path's, on the trained elements
+    gap = None
+    if "cols 10 %" in plans:
+        got = {}
+        for g in ("sliced", "dense"):
+            m = model()
+            frz = ff.Freezer(m, plans["cols 10 %"][0], gradients=g)
+            got[g] = one_gradient(m, x, y, loss)
+        gap = max(
+            float(np.abs(a - d)[~frz.frozen_mask(p)].max() / max(float(np.abs(d).max()), 1e-30))
+            for p, a, d in zip(got["sliced"][0], got["sliced"][1], got["dense"][1])
+        )
+    full_state = 2 * sum(int(np.prod(v.shape)) for v in variants["full"].trainable_weights)
+    print(
+        f"## {keras.backend.backend()}: MLP {a.depth} x Dense({w}) + head, batch {a.batch}, Adam, "
+        f"{a.threads or 'default'} thread(s); full step {1000 * statistics.median(times['full']):.1f} ms, "
+        f"floor step {1000 * statistics.median(times['floor']):.1f} ms\n"
+    )
+    if gap is not None:
+        print(f"Trained elements' gradient of one batch, cols 10 % against the dense path: {gap:.1e} of its largest.\n")
+    print("| variant | excess | step / full | optimizer state / plain Adam's | frozen |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, ts in times.items():
+        frz, opt, before = info[name]
+        excess = [(t - f) / (u - f) for t, f, u in zip(ts, times["floor"], times["full"])]
+        step = [t / u for t, u in zip(ts, times["full"])]
+        state = sum(int(np.prod(v.shape)) for v in opt.variables) - 1
+        kept = "—"
+        if frz is not None:
+            try:
+                frz.verify()
+                kept = "bit-identical"
+            except ff.FrozenValueChanged:
+                kept = "MOVED"
+        ex = "—"
+        if name not in ("full", "floor"):
+            ex = f"{statistics.median(excess):.2f} ({min(excess):.2f}–{max(excess):.2f})"
+        print(
+            f"| {name} | {ex} | {statistics.median(step):.2f} ({min(step):.2f}–{max(step):.2f}) | "
+            f"{100 * state / full_state:.1f} % | {kept} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

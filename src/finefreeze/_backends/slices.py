@@ -1,0 +1,241 @@
+"""The weight gradient of a trained slice of a kernel, without the kernel's full weight gradient.
+
+A layer computes ``y = op(x, kernel)`` (a matmul, an einsum, a
+convolution), linear in the kernel. When only a block of the kernel trains
+(some indices along some of its axes: rows, columns, output channels,
+heads), :func:`sliced_product` computes the same ``y`` and the same input
+gradient as ``op`` does, but the kernel's gradient is the weight gradient of
+the block only, computed as the backend's own vector-Jacobian product of
+``op`` on the block (``op(x[..., rows], kernel[rows][:, cols])`` at
+``dy[..., cols]``): a product the size of the block instead of the kernel's.
+Outside the block the kernel's gradient is exactly 0.
+
+How each backend takes it apart:
+
+- the forward is ``op(x, stop_gradient(kernel))`` (the very op the layer
+  runs, so ``y`` and the input gradient are the layer's own), passed through
+  a tap whose forward is the identity and whose backward hands ``dy`` on
+  unchanged and gives the kernel the block's gradient;
+- the tap is ``tf.custom_gradient`` (TensorFlow), ``jax.custom_vjp`` (JAX)
+  or a ``torch.autograd.Function`` (PyTorch);
+- the block's gradient is ``tf.GradientTape`` / ``jax.vjp`` /
+  ``torch.autograd.grad`` of ``op`` on the block (in a traced step the
+  block's forward is never computed: nothing reads it);
+- the block is put into a kernel-shaped zero gradient with ``keras.ops``.
+
+The trained elements' gradients are sums over the same products as the full
+weight gradient's, but the backend may sum a smaller product in another
+order: they equal the dense path's up to float rounding (the bound measured
+is in ``docs/strategies.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from keras import ops
+
+from finefreeze._backends.questions import keras_backend
+
+__all__ = ["Taken", "full_gradients", "sliced_product", "slicing"]
+
+_full = [0]  # inside full_gradients(): every layer computes its whole weight gradient
+
+
+@contextlib.contextmanager
+def full_gradients() -> Iterator[None]:
+    """Steps traced inside compute every kernel's whole weight gradient (``select`` scores frozen elements too)."""
+    _full[0] += 1
+    try:
+        yield
+    finally:
+        _full[0] -= 1
+
+
+def slicing() -> bool:
+    """Whether a sliced layer computes its slice's weight gradient only (False inside :func:`full_gradients`)."""
+    return _full[0] == 0
+
+
+class Taken:
+    """Where a kernel's block sits: its indices per kernel axis, and the axes of ``x`` and ``y`` they run along.
+
+    A block's indices along an axis that form a range are taken with a slice
+    and put back with zero padding; other index lists with a gather, and put
+    back with a gather from the block and one slice of zeros.
+
+    Args:
+        shape: the kernel's shape.
+        index: per kernel axis, the sorted indices of the block along it, or None for the whole axis.
+        x_axis: per kernel axis, the axis of ``x`` it is contracted with, or None.
+        y_axis: per kernel axis, the axis of ``y`` it becomes, or None.
+    """
+
+    def __init__(self, shape, index, x_axis, y_axis):
+        self.shape = tuple(int(d) for d in shape)
+        self.index = tuple(None if i is None else np.asarray(i, dtype=np.int32) for i in index)
+        self.x_axis, self.y_axis = tuple(x_axis), tuple(y_axis)
+        self.block_shape = tuple(n if i is None else len(i) for n, i in zip(self.shape, self.index))
+        # per sliced axis: (start, stop) of a range, or the position of every kernel index in the block
+        # (len(index), a slice of zeros, where it is not in the block)
+        self.places = []
+        for n, idx in zip(self.shape, self.index):
+            if idx is None:
+                self.places.append(None)
+            elif np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
+                self.places.append((int(idx[0]), int(idx[0]) + len(idx)))
+            else:
+                pos = np.full(n, len(idx), np.int32)
+                pos[idx] = np.arange(len(idx), dtype=np.int32)
+                self.places.append(pos)
+
+    @staticmethod
+    def _take(t, axis: int, idx, place):
+        axis = axis % len(t.shape)
+        if isinstance(place, tuple):
+            return t[(slice(None),) * axis + (slice(*place),)]
+        return ops.take(t, idx, axis=axis)
+
+    def take_x(self, x):
+        for i, idx in enumerate(self.index):
+            if idx is not None and self.x_axis[i] is not None:
+                x = self._take(x, self.x_axis[i], idx, self.places[i])
+        return x
+
+    def take_y(self, dy):
+        for i, idx in enumerate(self.index):
+            if idx is not None and self.y_axis[i] is not None:
+                dy = self._take(dy, self.y_axis[i], idx, self.places[i])
+        return dy
+
+    def take_kernel(self, k):
+        for i, idx in enumerate(self.index):
+            if idx is not None:
+                k = self._take(k, i, idx, self.places[i])
+        return k
+
+    def gradient_of(self, op: Callable) -> Callable:
+        """``(x, dy, kernel) -> the kernel-shaped gradient of the block``, one function per ``op`` (compilers guard on it)."""
+        grads = self.__dict__.setdefault("_grads", {})
+        if op not in grads:
+
+            def weight_gradient(x, dy, k):
+                return self.spread(_vjp(op, self.take_x(x), self.take_kernel(k), self.take_y(dy)))
+
+            grads[op] = weight_gradient
+        return grads[op]
+
+    def spread(self, block):
+        """The kernel-shaped gradient: ``block`` at its place, exact zeros elsewhere."""
+        for axis, place in enumerate(self.places):
+            if place is None:
+                continue
+            if isinstance(place, tuple):
+                width = [(0, 0)] * len(self.shape)
+                width[axis] = (place[0], self.shape[axis] - place[1])
+                block = ops.pad(block, width)
+            else:
+                zero_shape = list(block.shape)
+                zero_shape[axis] = 1
+                padded = ops.concatenate([block, ops.zeros(zero_shape, block.dtype)], axis=axis)
+                block = ops.take(padded, place, axis=axis)
+        return block
+
+
+def sliced_product(op: Callable, x, kernel, taken: Taken):
+    """``op(x, kernel)`` whose kernel gradient is the weight gradient of ``taken``'s block only.
+
+    Args:
+        op: ``(x, kernel) -> y``, linear in the kernel (the layer's own product).
+        x: the layer's input.
+        kernel: the kernel's value as the layer reads it (autocast included).
+        taken: the block (:class:`Taken`).
+
+    Returns:
+        ``y``, equal to ``op(x, kernel)`` bit for bit, with its input gradient the same too.
+    """
+    y = op(x, ops.stop_gradient(kernel))
+    weight_gradient = taken.gradient_of(op)
+    # x reaches the tap without a gradient path: its gradient is the layer's own, from op alone
+    return _TAPS[keras_backend()](y, ops.stop_gradient(x), kernel, weight_gradient)
+
+
+def _vjp(op, x, k, dy):
+    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: the backend's own rule for ``op``."""
+    backend = keras_backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(k)
+            y = op(x, k)
+        return tape.gradient(y, k, output_gradients=dy)
+    if backend == "jax":
+        import jax
+
+        return jax.vjp(lambda kk: op(x, kk), k)[1](dy)[0]
+    import torch
+
+    with torch.enable_grad():  # slices are strided views; PyTorch's CPU convolutions want them contiguous
+        kk = k.detach().contiguous().requires_grad_(True)
+        y = op(x.detach().contiguous(), kk)
+        return torch.autograd.grad(y, kk, dy.contiguous())[0]
+
+
+def _tap_tensorflow(y, x, k, weight_gradient):
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def tap(y, x, k):
+        def grad(dy):
+            return dy, None, weight_gradient(x, dy, k)
+
+        return tf.identity(y), grad
+
+    return tap(y, x, k)
+
+
+def _tap_jax(y, x, k, weight_gradient):
+    import jax
+
+    @jax.custom_vjp
+    def tap(y, x, k):
+        return y
+
+    def fwd(y, x, k):
+        return y, (x, k)
+
+    def bwd(res, dy):
+        x, k = res
+        return dy, None, weight_gradient(x, dy, k)
+
+    tap.defvjp(fwd, bwd)
+    return tap(y, x, k)
+
+
+_TORCH_TAP: list = []  # the autograd.Function, made once (torch.compile guards on its class)
+
+
+def _tap_torch(y, x, k, weight_gradient):
+    if not _TORCH_TAP:
+        import torch
+
+        class Tap(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, y, x, k, weight_gradient):
+                ctx.save_for_backward(x, k)
+                ctx.weight_gradient = weight_gradient
+                return y.view_as(y)
+
+            @staticmethod
+            def backward(ctx, dy):
+                x, k = ctx.saved_tensors
+                return dy, None, ctx.weight_gradient(x, dy, k), None
+
+        _TORCH_TAP.append(Tap)
+    return _TORCH_TAP[0].apply(y, x, k, weight_gradient)
+
+
+_TAPS: dict[str, Callable] = {"tensorflow": _tap_tensorflow, "jax": _tap_jax, "torch": _tap_torch}

@@ -1,0 +1,175 @@
+"""Which partially frozen kernels train a slice, and the block a slice's weight gradient covers.
+
+A kernel of a ``Dense``, ``EinsumDense`` (the attention projections of
+Keras and KerasHub) or ``Conv1D/2D/3D`` layer whose trained elements lie in
+a block (some rows, columns, output or input channels, heads: indices along
+some of its axes) gets the weight gradient of that block only
+(:func:`finefreeze._backends.slices.sliced_product`). The block is the
+smallest one holding every trained element: along each axis the kernel's
+product runs over, the indices where something trains. A plan of index
+suffixes (``"d/kernel[:, :10]"``), a ``mask=`` of whole rows or columns or a
+plan ``select`` made all give blocks; trained elements scattered over every
+row and column give none (the whole kernel). Elements of the block that are
+frozen get a gradient as before, and their strategy keeps them frozen.
+
+Only layers whose ``call`` is Keras' own are sliced (a subclass with a call
+of its own keeps the dense path), without LoRA or quantization, and
+convolutions with ``groups=1``.
+
+Example:
+    >>> import keras, numpy as np
+    >>> from finefreeze._enforce.slices import kernel_slice
+    >>> d = keras.layers.Dense(8); d.build((None, 4))
+    >>> frozen = np.ones((4, 8), bool); frozen[:, :2] = False
+    >>> s = kernel_slice(d, d.kernel, frozen)
+    >>> s.index[1].tolist(), s.fraction
+    ([0, 1], 0.25)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+import numpy as np
+
+__all__ = ["MARK", "SLICE_AT_MOST", "KernelSlice", "einsum_axes", "exact_block", "kernel_slice", "sliced_gradient"]
+
+#: the attribute (in the layer's ``__dict__``) of a layer whose call computes a block's weight gradient only
+MARK = "_finefreeze_sliced"
+
+#: a block of at most this fraction of its kernel gets its own weight gradient (docs/benchmarks.md)
+SLICE_AT_MOST = 0.5
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelSlice:
+    """The block of a kernel whose weight gradient is computed, and how the layer's product runs over it.
+
+    ``index[i]``: the block's sorted indices along kernel axis ``i`` (None: the
+    whole axis); ``x_axis[i]`` / ``y_axis[i]``: the axis of the layer's input /
+    output that kernel axis ``i`` is contracted with / becomes (None: neither).
+    """
+
+    kind: str  # "dense" | "einsum" | "conv"
+    shape: tuple[int, ...]
+    index: tuple[np.ndarray | None, ...]
+    x_axis: tuple[int | None, ...]
+    y_axis: tuple[int | None, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod([n if i is None else len(i) for n, i in zip(self.shape, self.index)], dtype=np.int64))
+
+    @property
+    def fraction(self) -> float:
+        return self.size / float(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def key(self) -> tuple:
+        """Equal for equal blocks (a changed block means a new product: the step is traced again)."""
+        return (self.kind, self.shape) + tuple(None if i is None else i.tobytes() for i in self.index)
+
+
+def einsum_axes(equation: str, rank: int):
+    """Per kernel axis of an ``EinsumDense`` equation: (x axis, y axis), each None unless the letter is only there."""
+    try:
+        ins, y = equation.replace(" ", "").split("->")
+        x, k = ins.split(",")
+    except ValueError:
+        return None
+    if "..." in k or len(k) != rank:
+        return None
+
+    def positions(spec):
+        if "..." not in spec:
+            return {c: i for i, c in enumerate(spec)}
+        pre, post = spec.split("...")
+        return {**{c: i for i, c in enumerate(pre)}, **{c: i - len(post) for i, c in enumerate(post)}}
+
+    px, py = positions(x), positions(y)
+    x_axis = tuple(px[c] if c in px and c not in py else None for c in k)
+    y_axis = tuple(py[c] if c in py and c not in px else None for c in k)
+    return x_axis, y_axis
+
+
+def _geometry(layer, variable):
+    """``(kind, x_axis, y_axis)`` of a kernel whose layer can be sliced, else None."""
+    from keras.src.layers.convolutional.base_conv import BaseConv
+
+    if getattr(layer, "_kernel", None) is not variable or len(variable.shape) < 2:
+        return None
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
+        return None
+    call, rank = type(layer).call, len(variable.shape)
+    if call is keras.layers.Dense.call and rank == 2:
+        return "dense", (-1, None), (None, -1)
+    if call is keras.layers.EinsumDense.call:
+        axes = einsum_axes(layer.equation, rank)
+        return None if axes is None else ("einsum", *axes)
+    if (
+        isinstance(layer, BaseConv)
+        and call in (BaseConv.call, keras.layers.Conv1D.call)
+        and type(layer).convolution_op is BaseConv.convolution_op
+        and getattr(layer, "groups", 1) == 1
+    ):
+        channel = -1 if layer.data_format == "channels_last" else 1
+        spatial = (None,) * (rank - 2)
+        return "conv", spatial + (channel, None), spatial + (None, channel)
+    return None
+
+
+def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
+    """The block of ``variable`` (a kernel of ``layer``) that holds its trained elements, when slicing pays.
+
+    Args:
+        layer: the variable's owner.
+        variable: the kernel.
+        frozen: its frozen-element mask (True = frozen).
+
+    Returns:
+        The :class:`KernelSlice`, or None: not a kernel finefreeze slices, or
+        the block is more than :data:`SLICE_AT_MOST` of the kernel.
+    """
+    geometry = _geometry(layer, variable)
+    if geometry is None:
+        return None
+    kind, x_axis, y_axis = geometry
+    trained = ~np.asarray(frozen, dtype=bool)
+    index = []
+    for axis in range(trained.ndim):
+        if x_axis[axis] is None and y_axis[axis] is None:
+            index.append(None)
+            continue
+        along = trained.any(axis=tuple(a for a in range(trained.ndim) if a != axis))
+        idx = np.flatnonzero(along).astype(np.int32)
+        index.append(None if len(idx) == len(along) else idx)
+    if all(i is None for i in index):
+        return None
+    s = KernelSlice(kind, tuple(int(d) for d in variable.shape), tuple(index), x_axis, y_axis)
+    return s if 0 < s.fraction <= SLICE_AT_MOST else None
+
+
+def sliced_gradient(owner, variable) -> KernelSlice | None:
+    """The slice whose weight gradient ``owner``'s call computes for ``variable`` now (None: the dense gradient)."""
+    mark = getattr(owner, "__dict__", {}).get(MARK)
+    return mark.slice if mark is not None and mark.variable is variable else None
+
+
+def exact_block(frozen: np.ndarray) -> tuple | None:
+    """The trained elements as a block of ranges (a slice per axis), when they are exactly one; else None.
+
+    ``compact`` then gathers and writes them with slices instead of flat
+    indices (the same elements in the same order).
+    """
+    trained = ~np.asarray(frozen, dtype=bool)
+    block = []
+    for axis in range(trained.ndim):
+        along = np.flatnonzero(trained.any(axis=tuple(a for a in range(trained.ndim) if a != axis)))
+        if len(along) == 0 or along[-1] - along[0] + 1 != len(along):
+            return None
+        block.append(slice(int(along[0]), int(along[-1]) + 1))
+    block = tuple(block)
+    if trained[block].all() and int(trained.sum()) == trained[block].size and trained.size > trained[block].size:
+        return block
+    return None

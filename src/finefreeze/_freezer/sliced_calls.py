@@ -1,0 +1,154 @@
+"""Layers whose trained kernel slice gets its own weight gradient: their ``call``, set on the instance.
+
+For each partially frozen kernel :func:`finefreeze._enforce.slices.kernel_slice`
+finds a block for, the layer gets a ``call`` of its own instance (in its
+``__dict__``, as Python looks there first): Keras' call of that class line
+for line, with the kernel product replaced by
+:func:`finefreeze._backends.slices.sliced_product`. Nothing of it is saved:
+the layer keeps its class and its config, and a model saved while it trains
+loads as plain Keras. A layer that two live Freezers plan (two plans
+trained by turns, as a GAN's) is never sliced: the gradient the layer
+computes cannot know which plan's optimizer will apply it. The call falls
+back to the class's own when the Freezer that set it is gone, inside
+:func:`finefreeze._backends.slices.full_gradients` (``select``
+scores every element) and when the Freezer's ``gradients="dense"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+from typing import Any
+
+import keras
+from keras import ops
+
+from finefreeze._backends.slices import Taken, sliced_product, slicing
+from finefreeze._enforce.slices import MARK, KernelSlice, kernel_slice
+from finefreeze._resolve.resolve import PARTIAL
+
+__all__ = ["set_sliced"]
+
+#: the attribute of a layer holding (weakly) every Freezer that planned it: two live ones keep it dense
+CLAIMS = "_finefreeze_claims"
+
+
+@dataclasses.dataclass(eq=False)
+class _Mark:
+    slice: KernelSlice
+    variable: Any
+    owner: Any  # weak reference to the Freezer
+
+
+def set_sliced(target, res, owner, on: bool = True) -> bool:
+    """Give every layer of ``target`` the call ``res`` asks for; return whether any call changed.
+
+    Args:
+        target: the collected target.
+        res: the resolution in force.
+        owner: the Freezer (held weakly: once it is gone, the layers compute dense gradients).
+        on: False: no layer is sliced (``gradients="dense"``).
+    """
+    if target.kind != "keras":
+        return False
+    want = {}
+    if on:
+        for s in res.states:
+            if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
+                ks = kernel_slice(s.info.owner, s.variable, s.mask.dense())
+                if ks is not None:
+                    want[id(s.info.owner)] = (s.info.owner, ks, s.variable)
+    layers = [layer for layer in target.layers if hasattr(layer, "__dict__")]
+    for layer in layers:
+        layer.__dict__.setdefault(CLAIMS, weakref.WeakSet()).add(owner)
+    if any(len(layer.__dict__[CLAIMS]) > 1 for layer in layers if id(layer) in want):
+        gc.collect()  # a Freezer dropped in a reference cycle is not another plan
+    for layer in layers:  # another live Freezer plans this layer: which plan's optimizer trains is not known
+        if len(layer.__dict__[CLAIMS]) > 1:
+            want.pop(id(layer), None)
+    changed = False
+    for layer in layers:
+        mark = layer.__dict__.get(MARK)
+        new = want.get(id(layer))
+        if mark is not None and new is not None and mark.slice.key == new[1].key and mark.variable is new[2]:
+            mark.owner = weakref.ref(owner)
+            continue
+        if mark is not None:
+            del layer.__dict__["call"], layer.__dict__[MARK]
+            changed = True
+        if new is not None:
+            _give_call(layer, new[1], new[2], owner)
+            changed = True
+    return changed
+
+
+def _give_call(layer, ks: KernelSlice, variable, owner) -> None:
+    taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
+    mark = _Mark(ks, variable, weakref.ref(owner))
+    plain = type(layer).call.__get__(layer)
+
+    claims = layer.__dict__[CLAIMS]
+
+    def sliced() -> bool:
+        return slicing() and mark.owner() is not None and len(claims) == 1
+
+    if ks.kind == "dense":
+
+        def call(inputs, training=None):
+            if not sliced():
+                return plain(inputs, training=training)
+            x = sliced_product(ops.matmul, inputs, ops.convert_to_tensor(layer.kernel), taken)
+            return _bias_and_activation(layer, x)
+
+    elif ks.kind == "einsum":
+
+        def product(a, k):
+            return ops.einsum(layer.equation, a, k)
+
+        def call(inputs, training=None):
+            if not sliced():
+                return plain(inputs, training=training)
+            x = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken)
+            return _bias_and_activation(layer, x)
+
+    else:
+        causal = isinstance(layer, keras.layers.Conv1D) and layer.padding == "causal"  # Conv1D.call pads first
+
+        def product(a, k):
+            return ops.conv(
+                a,
+                k,
+                strides=list(layer.strides),
+                padding="valid" if causal else layer.padding,
+                dilation_rate=layer.dilation_rate,
+                data_format=layer.data_format,
+            )
+
+        def call(inputs):
+            if not sliced():
+                return plain(inputs)
+            if causal:
+                inputs = ops.pad(inputs, layer._compute_causal_padding())
+            outputs = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken)
+            if layer.use_bias:
+                if layer.data_format == "channels_last":
+                    bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
+                else:
+                    bias_shape = (1, layer.filters) + (1,) * layer.rank
+                outputs = ops.add(outputs, ops.reshape(layer.bias, bias_shape))
+            if layer.activation is not None:
+                return layer.activation(outputs)
+            return outputs
+
+    layer.__dict__["call"] = call
+    layer.__dict__[MARK] = mark
+
+
+def _bias_and_activation(layer, x):
+    """The rest of ``Dense.call`` and ``EinsumDense.call``."""
+    if layer.bias is not None:
+        x = ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
