@@ -8,7 +8,10 @@ then timed in interleaved rounds (A B C D, A B C D, ...):
 
 - ``frozen``: the embedding frozen whole, the head trains (the floor: what
   the step costs with no gradient for the table at all);
-- ``restore`` and ``compact``: the last 100 rows and the head train;
+- ``restore``, ``compact`` and ``auto``: the last 100 rows and the head
+  train, the table's gradient the whole table's;
+- ``sliced``: the same with ``gradients="sliced"``: the gradient of the 100
+  rows only;
 - ``full``: the whole table and the head train (plain Keras).
 
 Per variant: median step time over rounds divided by the ``frozen`` step of
@@ -80,21 +83,22 @@ def main():
 
     new_rows = f"token_embedding/embeddings[{a.vocab - a.rows}:]"
     plans = {
-        "frozen": (ff.Plan([ff.freeze("token_embedding/**")]), "auto"),
-        "restore": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "restore"),
-        "compact": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "compact"),
-        "auto": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "auto"),
-        "full": (None, None),
+        "frozen": (ff.Plan([ff.freeze("token_embedding/**")]), "auto", "dense"),
+        "restore": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "restore", "dense"),
+        "compact": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "compact", "dense"),
+        "auto": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "auto", "dense"),
+        "sliced": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "auto", "sliced"),
+        "full": (None, None, None),
     }
     variants, info = {}, {}
-    for name, (plan, strategy) in plans.items():
+    for name, (plan, strategy, gradients) in plans.items():
         m = model()
         before = np.array(keras.ops.convert_to_numpy(m.get_layer("token_embedding").embeddings), copy=True)
         if plan is None:
             opt = keras.optimizers.Adam(1e-3)
             frz = None
         else:
-            frz = ff.Freezer(m, plan, strategy=strategy)
+            frz = ff.Freezer(m, plan, strategy=strategy, gradients=gradients)
             opt = frz.wrap(keras.optimizers.Adam(1e-3))
         m.compile(optimizer=opt, loss=loss_fn)
         m.train_on_batch(x, y)  # builds, traces, warms up
@@ -128,6 +132,7 @@ def main():
         table = np.asarray(keras.ops.convert_to_numpy(variants[name].get_layer("token_embedding").embeddings))
         kept = np.array_equal(table[: a.vocab - a.rows], before[: a.vocab - a.rows])
         kind = frz.strategy_for("token_embedding/embeddings") if frz is not None else "plain Keras"
+        kind = f"{kind} (sliced)" if name == "sliced" else kind
         print(
             f"| {name} | {kind} | {statistics.median(r):.2f} ({min(r):.2f}–{max(r):.2f}) | "
             f"{100 * state / dense:.2f} % | {'bit-identical' if kept else 'moved'} |"

@@ -25,6 +25,9 @@ batch's gradient of the trained elements against the dense path's, relative
 to the largest).
 
     python benchmarks/slices.py [--rounds 7] [--steps 10] [--threads 1]
+    python benchmarks/slices.py --model transformer   # 10 % of heads and of FFN channels
+    python benchmarks/slices.py --model conv          # 10 % of output channels
+    KERAS_BACKEND=jax python benchmarks/slices.py --model transformer --memory   # + the gradient's peak temp memory
     KERAS_BACKEND=jax python benchmarks/slices.py
     KERAS_BACKEND=jax python benchmarks/slices.py --width 8192 --depth 8 --batch 4096 --threads 0   # a GPU
 """
@@ -39,6 +42,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cost import threads  # noqa: E402
+
+
+def interleaved(variants: dict, x, y, rounds: int, steps: int) -> dict:
+    """Seconds per step of each variant, per round, the variants timed by turns (A B C ..., A B C ...)."""
+    times = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, m in variants.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                m.train_on_batch(x, y)
+            times[name].append((time.perf_counter() - t0) / steps)
+    return times
 
 
 def one_gradient(model, x, y, loss):
@@ -79,7 +94,11 @@ def main():
     ap.add_argument("--batch", type=int, default=192)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated variants (full and floor always run)")
+    ap.add_argument("--model", choices=["mlp", "transformer", "conv"], default="mlp")
+    ap.add_argument("--memory", action="store_true", help="JAX: the compiled gradient's temporary memory per variant")
     a = ap.parse_args()
+    if a.model != "mlp":
+        return other_model(a)
     threads(a.threads)
 
     import keras
@@ -133,13 +152,7 @@ def main():
         m.train_on_batch(x, y)  # builds, traces, warms up
         m.train_on_batch(x, y)
         variants[name], info[name] = m, (frz, opt, before)
-    times = {k: [] for k in variants}
-    for _ in range(a.rounds):
-        for name, m in variants.items():
-            t0 = time.perf_counter()
-            for _ in range(a.steps):
-                m.train_on_batch(x, y)
-            times[name].append((time.perf_counter() - t0) / a.steps)
+    times = interleaved(variants, x, y, a.rounds, a.steps)
     # rounding: the gradient of one batch, the slice's against the dense path's, on the trained elements
     gap = None
     if "cols 10 %" in plans:
@@ -181,6 +194,121 @@ def main():
             f"| {name} | {ex} | {statistics.median(step):.2f} ({min(step):.2f}–{max(step):.2f}) | "
             f"{100 * state / full_state:.1f} % | {kept} |"
         )
+
+
+def other_model(a):
+    """A transformer (10 % of heads and of FFN channels) or a conv net (10 % of output channels), sliced vs dense."""
+    threads(a.threads)
+    import keras
+    import numpy as np
+
+    import finefreeze as ff
+
+    rng = np.random.default_rng(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if a.model == "transformer":
+        d, heads, seq, blocks = 320, 10, 64, 3
+        x = rng.normal(size=(a.batch // 12, seq, d)).astype("float32")
+
+        def model():
+            keras.utils.set_random_seed(0)
+            i = keras.Input((seq, d))
+            h = i
+            for b in range(blocks):
+                mha = keras.layers.MultiHeadAttention(heads, d // heads, name=f"mha{b}")
+                h = keras.layers.LayerNormalization(name=f"ln{b}a")(h + mha(h, h))
+                f = keras.layers.Dense(4 * d, activation="relu", name=f"ffn{b}a")(h)
+                h = keras.layers.LayerNormalization(name=f"ln{b}b")(h + keras.layers.Dense(d, name=f"ffn{b}b")(f))
+            h = keras.layers.GlobalAveragePooling1D()(h)
+            return keras.Model(i, keras.layers.Dense(10, name="head")(h), name="transformer")
+
+        one, ffn = 1, 4 * d // 10  # one head of ten; a tenth of the FFN channels
+        rules = []
+        for b in range(blocks):
+            rules += [ff.train(f"**/mha{b}/{p}/kernel[:, :{one}]") for p in ("query", "key", "value")]
+            rules += [ff.train(f"**/mha{b}/attention_output/kernel[:{one}]")]
+            rules += [ff.train(f"**/ffn{b}a/kernel[:, :{ffn}]"), ff.train(f"**/ffn{b}b/kernel[:{ffn}]")]
+        what = f"{blocks} blocks of MultiHeadAttention({heads} heads, d {d}) + FFN({4 * d}), {seq} tokens"
+        trained = "10 % of heads and of FFN channels"
+    else:
+        ch, depth = 128, 4
+        x = rng.normal(size=(a.batch // 6, 24, 24, 16)).astype("float32")
+
+        def model():
+            keras.utils.set_random_seed(0)
+            i = keras.Input((24, 24, 16))
+            h = i
+            for k in range(depth):
+                h = keras.layers.Conv2D(ch, 3, padding="same", activation="relu", name=f"c{k}")(h)
+            h = keras.layers.GlobalAveragePooling2D()(h)
+            return keras.Model(i, keras.layers.Dense(10, name="head")(h), name="conv")
+
+        rules = [ff.train(f"**/c{k}/kernel[..., :{ch // 10}]") for k in range(1, depth)]
+        what = f"{depth} x Conv2D({ch}, 3x3) on 24 x 24 x 16"
+        trained = "10 % of output channels of every conv but the first"
+    y = rng.integers(0, 10, len(x)).astype("int32")
+    plans = {
+        "full": None,
+        "floor": (ff.Plan([ff.freeze("**/kernel")]), "dense"),
+        "10 % sliced": (ff.Plan([ff.freeze("**/kernel"), *rules]), "sliced"),
+        "10 % dense": (ff.Plan([ff.freeze("**/kernel"), *rules]), "dense"),
+    }
+    variants, info = {}, {}
+    for name, spec in plans.items():
+        m = model()
+        frz = None if spec is None else ff.Freezer(m, spec[0], gradients=spec[1])
+        opt = keras.optimizers.Adam(1e-3) if frz is None else frz.wrap(keras.optimizers.Adam(1e-3))
+        m.compile(optimizer=opt, loss=loss)
+        m.train_on_batch(x, y)
+        m.train_on_batch(x, y)
+        variants[name], info[name] = m, (frz, opt)
+    times = interleaved(variants, x, y, a.rounds, a.steps)
+    full_state = 2 * sum(int(np.prod(v.shape)) for v in variants["full"].trainable_weights)
+    print(
+        f"## {keras.backend.backend()}: {what}, batch {len(x)}, Adam, {a.threads or 'default'} thread(s); "
+        f"{trained}; full step {1000 * statistics.median(times['full']):.1f} ms, "
+        f"floor step {1000 * statistics.median(times['floor']):.1f} ms\n"
+    )
+    memory = a.memory and keras.backend.backend() == "jax"
+    print(
+        "| variant | excess | step / full | optimizer state / plain Adam's | frozen |" + (" gradient temp |" * memory)
+    )
+    print("| --- | --- | --- | --- | --- |" + (" --- |" * memory))
+    for name, ts in times.items():
+        frz, opt = info[name]
+        excess = [(t - f) / (u - f) for t, f, u in zip(ts, times["floor"], times["full"])]
+        step = [t / u for t, u in zip(ts, times["full"])]
+        state = sum(int(np.prod(v.shape)) for v in opt.variables) - 1
+        kept = "—"
+        if frz is not None:
+            frz.verify()
+            kept = "bit-identical"
+        ex = (
+            "—"
+            if name in ("full", "floor")
+            else f"{statistics.median(excess):.2f} ({min(excess):.2f}–{max(excess):.2f})"
+        )
+        mem = f" {gradient_temp_mib(variants[name], x, y, loss):.1f} MiB |" if memory else ""
+        print(
+            f"| {name} | {ex} | {statistics.median(step):.2f} ({min(step):.2f}–{max(step):.2f}) | "
+            f"{100 * state / full_state:.1f} % | {kept} |{mem}"
+        )
+
+
+def gradient_temp_mib(model, x, y, loss) -> float:
+    """JAX: the temporary memory XLA's compiled gradient of the trainable variables needs (memory_analysis)."""
+    import jax
+    import keras
+
+    variables = list(model.trainable_variables)
+    others = [v for v in model.variables if all(v is not w for w in variables)]
+
+    def pure(values):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values)) + [(v, v.value) for v in others]):
+            return loss(y, model(x))
+
+    compiled = jax.jit(jax.grad(pure)).lower([v.value for v in variables]).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
 if __name__ == "__main__":

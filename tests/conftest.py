@@ -36,6 +36,7 @@ BACKEND_NEUTRAL = {
     "test_resume.py",
     "test_seams.py",
     "test_slices.py",
+    "test_slices_rows.py",
     "test_select_backends.py",
     "test_summary.py",
     "test_training.py",

@@ -23,6 +23,12 @@ How each backend takes it apart:
   block's forward is never computed: nothing reads it);
 - the block is put into a kernel-shaped zero gradient with ``keras.ops``.
 
+An ``Embedding``'s table is looked up (:func:`looked_up`), not multiplied.
+On JAX and PyTorch the gradient of its trained rows is the batch's ``dy``
+summed per id (``segment_sum``) over those rows only; TensorFlow's own
+gradient is already the batch's rows (``IndexedSlices``), and the table is
+read sparsely so that it is never copied whole.
+
 The trained elements' gradients are sums over the same products as the full
 weight gradient's, but the backend may sum a smaller product in another
 order: they equal the dense path's up to float rounding (the bound measured
@@ -39,7 +45,7 @@ from keras import ops
 
 from finefreeze._backends.questions import keras_backend
 
-__all__ = ["Taken", "full_gradients", "sliced_product", "slicing"]
+__all__ = ["Taken", "full_gradients", "looked_up", "lookup", "sliced_product", "slicing"]
 
 _full = [0]  # inside full_gradients(): every layer computes its whole weight gradient
 
@@ -78,6 +84,7 @@ class Taken:
         self.index = tuple(None if i is None else np.asarray(i, dtype=np.int32) for i in index)
         self.x_axis, self.y_axis = tuple(x_axis), tuple(y_axis)
         self.block_shape = tuple(n if i is None else len(i) for n, i in zip(self.shape, self.index))
+        self.sparse_rows = True  # PyTorch: an embedding's rows gradient as a sparse tensor
         # per sliced axis: (start, stop) of a range, or the position of every kernel index in the block
         # (len(index), a slice of zeros, where it is not in the block)
         self.places = []
@@ -124,8 +131,51 @@ class Taken:
             def weight_gradient(x, dy, k):
                 return self.spread(_vjp(op, self.take_x(x), self.take_kernel(k), self.take_y(dy)))
 
-            grads[op] = weight_gradient
+            def rows_gradient(ids, dy, table):
+                return self.spread_rows(self.rows_of(ids, dy))
+
+            grads[op] = rows_gradient if op is lookup else weight_gradient
         return grads[op]
+
+    def rows_of(self, ids, dy):
+        """The gradient of the block's rows of a table looked up at ``ids``: ``dy`` summed per row, in the block's order.
+
+        The ids outside the block land in one spare segment, dropped.
+        """
+        n, width = self.block_shape[0], self.shape[1]
+        ids = ops.reshape(ops.cast(ids, "int32"), (-1,))
+        place = self.places[0]
+        if isinstance(place, tuple):
+            pos = ops.subtract(ids, place[0])
+            inside = ops.logical_and(ops.greater_equal(pos, 0), ops.less(pos, n))
+            segment = ops.where(inside, pos, n)
+        else:
+            segment = ops.take(ops.convert_to_tensor(place), ids, axis=0)
+        dy = ops.reshape(dy, (-1, width))
+        if keras_backend() == "torch":  # Keras' segment_sum repeats every id across the row first
+            import torch
+
+            out = torch.zeros((n + 1, width), dtype=dy.dtype, device=dy.device)
+            return out.index_add_(0, segment.long(), dy)[:n]
+        return ops.segment_sum(dy, segment, num_segments=n + 1)[:n]
+
+    def spread_rows(self, block):
+        """The table's gradient from its block of rows: a sparse tensor of those rows on PyTorch, else dense.
+
+        A dense one is zero outside the block; under ``jax.jit`` XLA folds
+        the zeros and ``compact``'s slice of the rows away. Eager PyTorch
+        would fill the whole table with zeros at every step: it gets a
+        sparse COO gradient of the rows, as ``torch.nn.Embedding(sparse=True)``
+        gives (``compact`` reads the rows back from it).
+        """
+        if keras_backend() != "torch" or not self.sparse_rows:
+            return self.spread(block)
+        import torch
+
+        if torch.compiler.is_compiling():
+            return self.spread(block)
+        rows = torch.as_tensor(self.index[0], dtype=torch.int64, device=block.device)
+        return torch.sparse_coo_tensor(rows[None], block, self.shape, is_coalesced=True, check_invariants=False)
 
     def spread(self, block):
         """The kernel-shaped gradient: ``block`` at its place, exact zeros elsewhere."""
@@ -142,6 +192,31 @@ class Taken:
                 padded = ops.concatenate([block, ops.zeros(zero_shape, block.dtype)], axis=axis)
                 block = ops.take(padded, place, axis=axis)
         return block
+
+
+def lookup(ids, table):
+    """``Embedding``'s product: the rows of ``table`` at ``ids`` (its gradient is the looked-up rows' own)."""
+    return ops.take(table, ids, axis=0)
+
+
+def looked_up(table, ids, taken: Taken):
+    """``Embedding``'s lookup of ``ids`` in ``table`` (a Keras variable) whose gradient costs the batch, not the table.
+
+    TensorFlow reads the rows from the resource (``sparse_read``, as
+    ``tf.nn.embedding_lookup`` does): the gradient is Keras' own
+    ``IndexedSlices`` of the batch's rows, bit for bit, and the table is never
+    read whole (a variable ``compact`` writes sparsely would copy itself at
+    every whole read). JAX and PyTorch compute the gradient of ``taken``'s
+    rows only (:func:`sliced_product` of :func:`lookup`).
+    """
+    if keras_backend() == "tensorflow":
+        import tensorflow as tf
+
+        resource = getattr(table, "value", table)
+        if isinstance(resource, tf.Variable):  # tf.gather of a variable reads the rows (ResourceGather)
+            return tf.gather(resource, ids)
+        return lookup(ids, ops.convert_to_tensor(table))
+    return sliced_product(lookup, ids, ops.convert_to_tensor(table), taken)
 
 
 def sliced_product(op: Callable, x, kernel, taken: Taken):

@@ -11,7 +11,9 @@ specific lives here and nowhere else:
 - JAX and PyTorch: plain ``variable.assign`` (inside JAX's stateless,
   jitted train step the assignments are recorded by Keras' StatelessScope);
   compact results are written with a functional ``scatter_update`` into the
-  flattened value; a JAX snapshot is the (immutable) value itself.
+  flattened value (eager PyTorch writes the elements in place, as Keras'
+  own ``assign`` writes its value); a JAX snapshot is the (immutable) value
+  itself.
 
 TensorFlow is imported only when it is the Keras backend.
 """
@@ -27,10 +29,11 @@ from keras import ops
 
 from finefreeze._backends.arrays import native
 from finefreeze._backends.distribute import owner_scope
-from finefreeze._backends.questions import keras_is_jax, tensorflow, tensorflow_imported
+from finefreeze._backends.questions import keras_backend, keras_is_jax, tensorflow, tensorflow_imported
 
 __all__ = [
     "block_write",
+    "read_block",
     "take_block",
     "is_sparse",
     "current",
@@ -73,12 +76,21 @@ def current(v):
 
 
 def is_sparse(grad) -> bool:
+    """Whether ``grad`` is sparse: TensorFlow's ``IndexedSlices``, or a PyTorch sparse tensor (sliced embeddings)."""
     tf = tensorflow_imported()
-    return tf is not None and isinstance(grad, tf.IndexedSlices)
+    if tf is not None and isinstance(grad, tf.IndexedSlices):
+        return True
+    return keras_backend() == "torch" and getattr(grad, "is_sparse", False) is True
+
+
+def _torch_sparse(grad) -> bool:
+    return keras_backend() == "torch" and getattr(grad, "is_sparse", False) is True
 
 
 def select_frozen_to_zero(mask, grad):
     """``grad`` with frozen elements (``mask`` True) selected to 0 (``where``, never a product)."""
+    if _torch_sparse(grad):
+        grad = grad.to_dense()
     if is_sparse(grad):  # TensorFlow embeddings: stay sparse, select the touched rows only
         tf = tensorflow_imported()
         rows = tf.gather(mask, grad.indices)
@@ -120,6 +132,8 @@ def take_trainable(grad, idx, shape):
     whole table, bit for bit, at the cost of the batch's rows rather than of
     the table.
     """
+    if _torch_sparse(grad):
+        return _torch_take_rows(grad, idx, shape)
     if not is_sparse(grad):
         return ops.take(flat_dense(grad), idx, axis=0)
     tf = tensorflow_imported()
@@ -143,6 +157,22 @@ def take_trainable(grad, idx, shape):
     return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(index, (-1,)), tf.reshape(k, (1,)))
 
 
+def _torch_take_rows(grad, idx, shape):
+    """The elements at ``idx`` of a PyTorch sparse gradient of rows (0 in rows it holds no value for)."""
+    import torch
+
+    grad = grad.coalesce()
+    rows, values = grad.indices()[0], grad.values().reshape(grad.indices().shape[1], -1)
+    if rows.numel() == 0:
+        return torch.zeros(idx.shape, dtype=values.dtype, device=values.device)
+    width = math.prod(shape[1:])
+    idx = idx.long()
+    want = idx // width
+    at = torch.searchsorted(rows, want).clamp(max=rows.numel() - 1)
+    found = values[at, idx % width]
+    return torch.where(rows[at] == want, found, torch.zeros_like(found))
+
+
 def _in_xla() -> bool:
     """Whether the graph being built compiles with XLA (``jit_compile=True``), where shapes must be static."""
     try:
@@ -154,7 +184,9 @@ def _in_xla() -> bool:
 
 
 def flat_dense(grad):
-    """``grad`` as a dense flat tensor (an ``IndexedSlices`` is densified)."""
+    """``grad`` as a dense flat tensor (a sparse one is densified)."""
+    if _torch_sparse(grad):
+        grad = grad.to_dense()
     if is_sparse(grad):
         grad = tensorflow_imported().convert_to_tensor(grad)
     return keras.ops.reshape(keras.ops.convert_to_tensor(grad), (-1,))
@@ -185,10 +217,55 @@ def _tf_scatter(var, indices, values):
     return var.scatter_nd_update(indices, values)
 
 
+def _in_place(var) -> bool:
+    """Whether a PyTorch variable's value is written in place (as Keras' ``assign`` does): eager and contiguous.
+
+    ``slice_update`` and ``scatter_update`` would copy the whole variable
+    first, then ``assign`` copy it back: two passes over a table of which a
+    few rows changed. Traced (``torch.compile``) or stateless steps keep the
+    functional form.
+    """
+    if keras_backend() != "torch":
+        return False
+    import torch
+    from keras.src.backend.common.stateless_scope import in_stateless_scope
+
+    value = var.value
+    return not in_stateless_scope() and not torch.compiler.is_compiling() and value.is_contiguous()
+
+
 def _functional_scatter(var, flat_index, values):
+    if _in_place(var):
+        import torch
+
+        with torch.no_grad():
+            var.value.view(-1).index_copy_(0, flat_index.long(), values.to(var.value.dtype))
+        return var
     flat = keras.ops.reshape(var.value, (-1,))
     flat = keras.ops.scatter_update(flat, keras.ops.expand_dims(flat_index, 1), values)
     return var.assign(keras.ops.reshape(flat, var.shape))
+
+
+def _row_block(shape, block) -> bool:
+    """Whether ``block`` is whole rows of a variable of ``shape`` (a range along axis 0 only)."""
+    return all((b.start or 0) == 0 and b.stop == n for b, n in zip(block[1:], shape[1:]))
+
+
+def read_block(v, block: tuple, idx):
+    """The elements of ``v`` in the block ``block`` (flat, C order); ``idx``: their flat indices.
+
+    JAX and PyTorch slice the value. TensorFlow reads the rows of a block of
+    whole rows (``ResourceGather``) and gathers the elements of any other
+    block (``ResourceGatherNd``): slicing the whole value would keep its
+    buffer alive, and the block's write after the update would copy the
+    variable first.
+    """
+    if tensorflow() is None:
+        return take_block(current(v), block)
+    if _row_block(tuple(int(d) for d in v.shape), block):
+        rows = native(v).sparse_read(ops.arange(block[0].start or 0, block[0].stop, dtype="int32"))
+        return ops.reshape(rows, (-1,))
+    return take_values(v, idx)
 
 
 def take_block(t, block: tuple):
@@ -197,10 +274,19 @@ def take_block(t, block: tuple):
 
 
 def _tf_block(var, values, block=()):
+    if _row_block(tuple(int(d) for d in var.shape), block):  # a scatter of rows; a slice assign copies the table
+        tf = tensorflow_imported()
+        return var.scatter_update(tf.IndexedSlices(values, tf.range(block[0].start or 0, block[0].stop)))
     return var[block].assign(values)
 
 
 def _functional_block(var, values, block=()):
+    if _in_place(var):
+        import torch
+
+        with torch.no_grad():
+            var.value[block].copy_(values)
+        return var
     start = [s.start or 0 for s in block]
     return var.assign(ops.slice_update(var.value, start, values))
 
@@ -208,8 +294,11 @@ def _functional_block(var, values, block=()):
 def block_write(variable, block: tuple, values) -> tuple:
     """A write (for :func:`write_all`) that puts ``values`` (flat, C order) into the block ``block`` of ``variable``.
 
-    TensorFlow assigns the slice in place (``ResourceStridedSliceAssign``);
-    JAX and PyTorch update the slice of the value (``slice_update``).
+    TensorFlow scatters the rows of a block of whole rows
+    (``ResourceScatterUpdate``: a strided slice assign copies a large table
+    first) and assigns any other block's slice in place
+    (``ResourceStridedSliceAssign``); JAX and PyTorch update the slice of the
+    value (``slice_update``; eager PyTorch writes it in place).
     """
     shape = tuple(s.stop - (s.start or 0) for s in block)
     fn = _tf_block if tensorflow() is not None else _functional_block

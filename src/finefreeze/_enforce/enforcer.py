@@ -41,6 +41,7 @@ from finefreeze._backends.variables import (
     current,
     eager_scope,
     is_sparse,
+    read_block,
     scatter_write,
     select_frozen_to_zero,
     snapshot,
@@ -100,7 +101,7 @@ class Enforcer:
         if self.kind == Kind.COMPACT:
             idx = self.index.value
             if self.block is not None:  # the same elements in the same order, by slices
-                values = take_block(current(self.variable), self.block)
+                values = read_block(self.variable, self.block, idx)
             else:
                 values = take_values(self.variable, idx)  # the trainable elements only, not a copy of the variable
             writes.append((self.shadow, assign, (values,)))

@@ -4,7 +4,9 @@ A kernel of a ``Dense``, ``EinsumDense`` (the attention projections of
 Keras and KerasHub) or ``Conv1D/2D/3D`` layer whose trained elements lie in
 a block (some rows, columns, output or input channels, heads: indices along
 some of its axes) gets the weight gradient of that block only
-(:func:`finefreeze._backends.slices.sliced_product`). The block is the
+(:func:`finefreeze._backends.slices.sliced_product`); so does the table of
+an ``Embedding`` whose trained elements lie in some rows (new tokens): the
+gradient of those rows only, summed from the batch's ids. The block is the
 smallest one holding every trained element: along each axis the kernel's
 product runs over, the indices where something trains. A plan of index
 suffixes (``"d/kernel[:, :10]"``), a ``mask=`` of whole rows or columns or a
@@ -51,7 +53,7 @@ class KernelSlice:
     output that kernel axis ``i`` is contracted with / becomes (None: neither).
     """
 
-    kind: str  # "dense" | "einsum" | "conv"
+    kind: str  # "dense" | "einsum" | "conv" | "rows" (an embedding's rows)
     shape: tuple[int, ...]
     index: tuple[np.ndarray | None, ...]
     x_axis: tuple[int | None, ...]
@@ -97,11 +99,13 @@ def _geometry(layer, variable):
     """``(kind, x_axis, y_axis)`` of a kernel whose layer can be sliced, else None."""
     from keras.src.layers.convolutional.base_conv import BaseConv
 
-    if getattr(layer, "_kernel", None) is not variable or len(variable.shape) < 2:
-        return None
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
         return None
     call, rank = type(layer).call, len(variable.shape)
+    if call is keras.layers.Embedding.call and getattr(layer, "_embeddings", None) is variable and rank == 2:
+        return "rows", (0, None), (None, None)  # rows looked up by the ids, each whole
+    if getattr(layer, "_kernel", None) is not variable or rank < 2:
+        return None
     if call is keras.layers.Dense.call and rank == 2:
         return "dense", (-1, None), (None, -1)
     if call is keras.layers.EinsumDense.call:
@@ -153,7 +157,7 @@ def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
 def sliced_gradient(owner, variable) -> KernelSlice | None:
     """The slice whose weight gradient ``owner``'s call computes for ``variable`` now (None: the dense gradient)."""
     mark = getattr(owner, "__dict__", {}).get(MARK)
-    return mark.slice if mark is not None and mark.variable is variable else None
+    return mark.slice if mark is not None and mark.variable is variable and mark.sliced else None
 
 
 def exact_block(frozen: np.ndarray) -> tuple | None:

@@ -148,7 +148,18 @@ class FreezerBase(abc.ABC):
 
     # -- reports -----------------------------------------------------------------
     def report(self) -> dict:
-        """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`."""
+        """JSON-able dict with the per-variable and per-layer facts of :meth:`summary`.
+
+        Each entry of ``report()["variables"]`` names the variable's
+        ``state``, its ``strategy`` (partially frozen ones) and its
+        ``gradient``: ``"sliced"`` (the weight gradient of its trained slice
+        only, ``gradients="sliced"``), ``"sparse"`` (TensorFlow embeddings:
+        the batch's rows) or ``"dense"``; None for frozen variables. The
+        summary tags sliced variables ``[compact, sliced]``.
+
+        Returns:
+            The report: ``variables``, ``layers``, ``totals`` and the plan's facts.
+        """
         return build_report(self, self._words)
 
     def summary(

@@ -3,7 +3,8 @@
 For each partially frozen kernel :func:`finefreeze._enforce.slices.kernel_slice`
 finds a block for, the layer gets a ``call`` of its own instance (in its
 ``__dict__``, as Python looks there first): Keras' call of that class line
-for line, with the kernel product replaced by
+for line (``Dense``, ``EinsumDense``, the convolutions, ``Embedding``), with
+the kernel product (an embedding's lookup) replaced by
 :func:`finefreeze._backends.slices.sliced_product`. Nothing of it is saved:
 the layer keeps its class and its config, and a model saved while it trains
 loads as plain Keras. A layer that two live Freezers plan (two plans
@@ -24,7 +25,8 @@ from typing import Any
 import keras
 from keras import ops
 
-from finefreeze._backends.slices import Taken, sliced_product, slicing
+from finefreeze._backends.questions import keras_backend
+from finefreeze._backends.slices import Taken, looked_up, sliced_product, slicing
 from finefreeze._enforce.slices import MARK, KernelSlice, kernel_slice
 from finefreeze._resolve.resolve import PARTIAL
 
@@ -39,6 +41,7 @@ class _Mark:
     slice: KernelSlice
     variable: Any
     owner: Any  # weak reference to the Freezer
+    sliced: bool = True  # False: a TensorFlow table read sparsely under gradients="dense" (Keras' own gradient)
 
 
 def set_sliced(target, res, owner, on: bool = True) -> bool:
@@ -48,17 +51,19 @@ def set_sliced(target, res, owner, on: bool = True) -> bool:
         target: the collected target.
         res: the resolution in force.
         owner: the Freezer (held weakly: once it is gone, the layers compute dense gradients).
-        on: False: no layer is sliced (``gradients="dense"``).
+        on: False: no layer is sliced (``gradients="dense"``); on TensorFlow a
+            partially frozen ``Embedding`` still reads its table sparsely,
+            which changes no maths (the gradient is Keras' own).
     """
     if target.kind != "keras":
         return False
     want = {}
-    if on:
-        for s in res.states:
-            if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
-                ks = kernel_slice(s.info.owner, s.variable, s.mask.dense())
-                if ks is not None:
-                    want[id(s.info.owner)] = (s.info.owner, ks, s.variable)
+    for s in res.states:
+        if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
+            ks = kernel_slice(s.info.owner, s.variable, s.mask.dense())
+            # TensorFlow's table read sparsely changes no maths: it is the dense path too
+            if ks is not None and (on or (ks.kind == "rows" and keras_backend() == "tensorflow")):
+                want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on)
     layers = [layer for layer in target.layers if hasattr(layer, "__dict__")]
     for layer in layers:
         layer.__dict__.setdefault(CLAIMS, weakref.WeakSet()).add(owner)
@@ -71,21 +76,26 @@ def set_sliced(target, res, owner, on: bool = True) -> bool:
     for layer in layers:
         mark = layer.__dict__.get(MARK)
         new = want.get(id(layer))
-        if mark is not None and new is not None and mark.slice.key == new[1].key and mark.variable is new[2]:
+        if (
+            mark is not None
+            and new is not None
+            and (mark.slice.key, mark.sliced) == (new[1].key, new[3])
+            and mark.variable is new[2]
+        ):
             mark.owner = weakref.ref(owner)
             continue
         if mark is not None:
             del layer.__dict__["call"], layer.__dict__[MARK]
             changed = True
         if new is not None:
-            _give_call(layer, new[1], new[2], owner)
+            _give_call(layer, new[1], new[2], owner, new[3])
             changed = True
     return changed
 
 
-def _give_call(layer, ks: KernelSlice, variable, owner) -> None:
+def _give_call(layer, ks: KernelSlice, variable, owner, on: bool) -> None:
     taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
-    mark = _Mark(ks, variable, weakref.ref(owner))
+    mark = _Mark(ks, variable, weakref.ref(owner), on)
     plain = type(layer).call.__get__(layer)
 
     claims = layer.__dict__[CLAIMS]
@@ -100,6 +110,18 @@ def _give_call(layer, ks: KernelSlice, variable, owner) -> None:
                 return plain(inputs, training=training)
             x = sliced_product(ops.matmul, inputs, ops.convert_to_tensor(layer.kernel), taken)
             return _bias_and_activation(layer, x)
+
+    elif ks.kind == "rows":
+        # mixed precision: Keras' LossScaleOptimizer checks every gradient densely (PyTorch's sparse one cannot be)
+        taken.sparse_rows = layer.dtype_policy.compute_dtype == layer.dtype_policy.variable_dtype
+
+        def call(inputs):
+            if not sliced():
+                return plain(inputs)
+            if inputs.dtype != "int32" and inputs.dtype != "int64":
+                inputs = ops.cast(inputs, "int32")
+            outputs = looked_up(layer.embeddings, inputs, taken)
+            return ops.cast(outputs, dtype=layer.compute_dtype)
 
     elif ks.kind == "einsum":
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from finefreeze._enforce.policy import sparse_gradients
+from finefreeze._enforce.slices import sliced_gradient
 from finefreeze._report.groups import batchnorm_line, build_groups
 from finefreeze._report.state_size import optimizer_state
 from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
@@ -21,6 +23,13 @@ def _decider(plan, idx: int, words: dict) -> str:
     if idx >= len(plan.rules):
         return f"batchnorm={plan.batchnorm!r}"
     return words["untouched"] if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
+
+
+def _gradient(s) -> str:
+    """How the variable's gradient is computed: ``sliced`` (its trained block only), ``sparse`` or ``dense``."""
+    if sparse_gradients(s.info.owner):  # TensorFlow embeddings: the batch's rows (IndexedSlices)
+        return "sparse"
+    return "sliced" if s.state == PARTIAL and sliced_gradient(s.info.owner, s.variable) is not None else "dense"
 
 
 def build_report(frz, words: dict = KERAS_WORDS) -> dict:
@@ -49,6 +58,7 @@ def build_report(frz, words: dict = KERAS_WORDS) -> dict:
                 "frozen_elements": size - s.n_trainable if s.state != UNTRAINED else 0,
                 "state": s.state,
                 "strategy": strategy,
+                "gradient": _gradient(s) if s.state in (PARTIAL, TRAINABLE) else None,
                 "lr_scale": s.lr_scale,
                 "adam_state_elements": adam,
                 "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
@@ -198,7 +208,8 @@ def format_summary(rep: dict, *, variables: bool = True, words: dict = KERAS_WOR
         if variables:
             for v in own:
                 name = "  " + _shorten(v["path"].rsplit("/", 1)[-1], _NAME_WIDTH - 2, middle=True)
-                state = _fmt_state(v) + (f" [{v['strategy']}]" if v["strategy"] else "")
+                tag = ", ".join(t for t in (v["strategy"], "sliced" if v["gradient"] == "sliced" else None) if t)
+                state = _fmt_state(v) + (f" [{tag}]" if tag else "")
                 deciders = _rule_numbers(v["decided_by"])
                 rows.append(
                     (

@@ -153,38 +153,18 @@ def stream_scores(
     accumulators and compiled steps are kept there and reused, not released.
     """
     with full_gradients():  # every element is scored: no layer computes the weight gradient of its slice only
-        return _scores(
-            model,
-            variables,
-            data,
-            score,
-            loss,
-            batch_size,
-            limit,
-            microbatch,
-            epochs,
-            optimizer,
-            verbose,
-            per_example,
-            cache,
-        )
-
-
-def _scores(
-    model, variables, data, score, loss, batch_size, limit, microbatch, epochs, optimizer, verbose, per_example, cache
-):
-    prep = preprocessor(model)
-    if cache:
-        grads = cache["grads"]
-        grads.reset()
-        return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=True, prep=prep)
-    loss_fn = loss_function(model, loss)
-    if score == "delta":
-        return _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose, prep)
-    grads = gradients.make(model, variables, loss_fn, per_example)
-    if cache is not None:
-        cache["grads"] = grads
-    return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=cache is not None, prep=prep)
+        prep = preprocessor(model)
+        if cache:
+            grads = cache["grads"]
+            grads.reset()
+            return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=True, prep=prep)
+        loss_fn = loss_function(model, loss)
+        if score == "delta":
+            return _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose, prep)
+        grads = gradients.make(model, variables, loss_fn, per_example)
+        if cache is not None:
+            cache["grads"] = grads
+        return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=cache is not None, prep=prep)
 
 
 def preprocessor(model):

@@ -1,0 +1,222 @@
+"""New rows of an embedding train at the cost of those rows: the same training, the frozen rows bit for bit.
+
+With ``gradients="sliced"`` an ``Embedding`` whose trained elements lie in
+some rows (new tokens) gets the gradient of those rows only on JAX and
+PyTorch (the batch's ``dy`` summed per id; PyTorch hands it over as a sparse
+tensor), and TensorFlow reads its table sparsely, whatever the mode, so that
+its own sparse gradient never costs a copy of the table. The references: the
+dense path (``gradients="dense"``) and plain Keras training the new rows as
+an embedding of their own. Trained values may differ by float rounding only
+(the sum over a row's ids may run in another order): :data:`BOUND`.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import finefreeze as ff
+from backend_utils import BACKEND, FIT_MODES, gradients
+from finefreeze._enforce.slices import MARK
+
+BOUND = 2e-5  # of the variable's largest value, as in test_slices.py
+VOCAB, DIM, NEW = 40, 6, 5
+RNG = np.random.default_rng(1)
+IDS = RNG.integers(0, VOCAB, (64, 7)).astype("int32")
+IDS[:, :2] = RNG.integers(VOCAB - NEW, VOCAB, (64, 2))  # every batch holds new tokens
+IDS[:, 2] = 3  # and one of the rows of an index list
+Y = RNG.normal(size=(64, 2)).astype("float32")
+TRAINED = {"range": f"**/tok/embeddings[{VOCAB - NEW}:]", "index list": "**/tok/embeddings[[3, 11, 30]]"}
+
+
+def model(seed=2):
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((7,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, DIM, name="tok")(i)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(i, keras.layers.Dense(2, name="head")(h), name="m")
+
+
+def numpy(v):
+    return np.array(keras.ops.convert_to_numpy(v), copy=True)
+
+
+def close(a, ref, what):
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    assert float(np.abs(a - ref).max()) <= BOUND * scale, (what, float(np.abs(a - ref).max()) / scale)
+
+
+def fit(rows, gradients="sliced", strategy="auto", optimizer=None, **compile_kw):
+    m = model()
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/tok/**"), ff.train(rows)]), gradients=gradients, strategy=strategy)
+    table = numpy(m.get_layer("tok").embeddings)
+    m.compile(optimizer=frz.wrap(optimizer or keras.optimizers.Adam(0.01)), loss="mse", **compile_kw)
+    m.fit(IDS, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    frz.verify()
+    frozen = frz.frozen_mask("tok/embeddings")
+    after = numpy(m.get_layer("tok").embeddings)
+    assert np.array_equal(after[frozen], table[frozen])  # the same bytes
+    assert not np.array_equal(after[~frozen], table[~frozen]), "the new rows did not train"
+    return m, frz
+
+
+def sliced_here(layer):
+    mark = layer.__dict__.get(MARK)
+    return mark is not None and mark.sliced
+
+
+CASES = [("range", m) for m in range(len(FIT_MODES))] + [("index list", 1)]
+
+
+@pytest.mark.parametrize("rows, mode", CASES, ids=[f"{r}-{FIT_MODES[m] or 'default'}" for r, m in CASES])
+def test_new_rows_train_as_the_dense_path_does(rows, mode):
+    m, frz = fit(TRAINED[rows], **FIT_MODES[mode])
+    assert sliced_here(m.get_layer("tok")) and frz.strategy_for("tok/embeddings") == "compact"
+    ref, _ = fit(TRAINED[rows], gradients="dense", **FIT_MODES[mode])
+    # TensorFlow reads the table sparsely on the dense path too (the same gradient); elsewhere it is Keras' call
+    assert (MARK in ref.get_layer("tok").__dict__) is (BACKEND == "tensorflow")
+    assert not sliced_here(ref.get_layer("tok"))
+    for v, r in zip(m.weights, ref.weights):
+        close(numpy(v), numpy(r), v.path)
+
+
+def test_new_rows_train_as_plain_keras_trains_them_as_an_embedding_of_their_own():
+    """The reference: a frozen table of the old rows and a trained one of the new, picked per id."""
+    m, _ = fit(TRAINED["range"], optimizer=keras.optimizers.SGD(0.5))
+    keras.utils.set_random_seed(2)
+    start = model()
+    table = numpy(start.get_layer("tok").embeddings)
+    i = keras.Input((7,), dtype="int32")
+    old = keras.layers.Embedding(VOCAB - NEW, DIM, trainable=False, name="old")
+    new = keras.layers.Embedding(NEW, DIM, name="new")
+    is_new = keras.ops.expand_dims(keras.ops.greater_equal(i, VOCAB - NEW), -1)
+    picked = keras.ops.where(
+        is_new, new(keras.ops.maximum(i - (VOCAB - NEW), 0)), old(keras.ops.minimum(i, VOCAB - NEW - 1))
+    )
+    h = keras.layers.GlobalAveragePooling1D()(picked)
+    ref = keras.Model(i, keras.layers.Dense(2, name="head")(h))
+    old.set_weights([table[: VOCAB - NEW]])
+    new.set_weights([table[VOCAB - NEW :]])
+    ref.get_layer("head").set_weights(start.get_layer("head").get_weights())
+    ref.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    ref.fit(IDS, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    close(numpy(m.get_layer("tok").embeddings)[VOCAB - NEW :], numpy(new.embeddings), "new rows")
+    for a, b in zip(m.get_layer("head").weights, ref.get_layer("head").weights):
+        close(numpy(a), numpy(b), a.path)
+
+
+def _table_sized(layer, ids):
+    """Whether the gradient of the table computes anything the size of the table (besides JAX's zero pad).
+
+    TensorFlow: a whole read of the table (``ReadVariableOp``, which a
+    variable written sparsely copies); JAX: a scatter-add into a table-sized
+    array (the lookup's dense gradient); PyTorch: a dense gradient.
+    """
+    table = layer.embeddings
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        step = tf.function(lambda: gradients(lambda: keras.ops.sum(layer(ids) ** 2), [table]))
+        ops = step.get_concrete_function().graph.get_operations()
+        return any(o.type == "ReadVariableOp" for o in ops)
+    if BACKEND == "jax":
+        import jax
+
+        def loss(t):
+            with keras.StatelessScope(state_mapping=[(table, t)]):
+                return keras.ops.sum(layer(ids) ** 2)
+
+        text = str(jax.make_jaxpr(jax.grad(loss))(table.value))
+        return any("scatter-add" in ln and f"f32[{VOCAB},{DIM}]" in ln.split("=")[0] for ln in text.splitlines())
+    (g,) = gradients(lambda: keras.ops.sum(layer(ids) ** 2), [table])
+    return not g.is_sparse
+
+
+def test_the_gradient_of_the_table_costs_the_batch_not_the_table():
+    """A check that fails on the dense path (``gradients="dense"``) where that path is table-sized."""
+    ids = keras.ops.convert_to_tensor(IDS[:4])
+    for gradients_, table_sized in (("dense", BACKEND != "tensorflow"), ("sliced", False)):
+        layer = keras.layers.Embedding(VOCAB, DIM)
+        layer.build()
+        plan = ff.Plan([ff.freeze("**"), ff.train(f"**/embeddings[{VOCAB - NEW}:]")])
+        frz = ff.Freezer(layer, plan, gradients=gradients_)
+        assert _table_sized(layer, ids) is table_sized, gradients_
+        (g,) = gradients(lambda layer=layer: keras.ops.sum(layer(ids) ** 2), [layer.embeddings])
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            g = tf.convert_to_tensor(g)
+        elif BACKEND == "torch" and g.is_sparse:
+            assert g.coalesce().indices().shape[1] == NEW  # the new rows only
+            g = g.to_dense()
+        g = numpy(g)
+        if gradients_ == "sliced" and BACKEND != "tensorflow":
+            assert not g[: VOCAB - NEW].any() and g[VOCAB - NEW :].any()  # exact zeros outside the new rows
+        else:
+            assert g[: VOCAB - NEW].any(), "Keras' gradient reaches the old rows"
+        del frz
+
+
+def test_plan_changes_move_the_rows_and_end_the_slice():
+    m = model()
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/tok/**"), ff.train(TRAINED["range"])]), gradients="sliced")
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    m.fit(IDS, Y, batch_size=16, epochs=1, verbose=0)
+    layer = m.get_layer("tok")
+    assert layer.__dict__[MARK].slice.index[0].tolist() == list(range(VOCAB - NEW, VOCAB))
+    for rows in (f"**/tok/embeddings[{VOCAB - 2 * NEW}:]", "**/tok/embeddings[:, 0]"):
+        before = numpy(layer.embeddings)
+        frz.update(ff.Plan([ff.freeze("**/tok/**"), ff.train(rows)]))
+        m.fit(IDS, Y, batch_size=16, epochs=1, verbose=0)
+        frozen = frz.frozen_mask("tok/embeddings")
+        assert np.array_equal(numpy(layer.embeddings)[frozen], before[frozen])
+        frz.verify()
+    assert not sliced_here(layer)  # a column of every row: no block of rows, the dense gradient
+
+
+@pytest.mark.parametrize("strategy", ["restore", "compact"])
+def test_a_custom_loop_with_clipping_takes_the_rows_gradient_with_either_strategy(strategy):
+    """The gradient a custom loop gets (sparse on PyTorch) goes through clipping and either strategy."""
+    refs = {}
+    for gradients_ in ("sliced", "dense"):
+        m = model()
+        frz = ff.Freezer(
+            m, ff.Plan([ff.freeze("**/tok/**"), ff.train(TRAINED["range"])]), gradients=gradients_, strategy=strategy
+        )
+        opt = frz.wrap(keras.optimizers.Adam(0.01, clipnorm=0.05))
+        table = numpy(m.get_layer("tok").embeddings)
+        variables = frz.trainable_variables
+        for _ in range(3):
+            grads = gradients(lambda m=m: keras.ops.mean((m(IDS) - keras.ops.convert_to_tensor(Y)) ** 2), variables)
+            opt.apply_gradients(zip(grads, variables))
+        frz.verify()
+        after = numpy(m.get_layer("tok").embeddings)
+        assert np.array_equal(after[: VOCAB - NEW], table[: VOCAB - NEW])
+        refs[gradients_] = [numpy(v) for v in m.weights]
+    for a, b in zip(*refs.values()):
+        close(a, b, strategy)
+
+
+def test_mixed_precision_rows_train_as_the_dense_path_does():
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        m, _ = fit(TRAINED["range"])
+        ref, _ = fit(TRAINED["range"], gradients="dense")
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert m.get_layer("tok").embeddings.dtype == "float32"
+    for v, r in zip(m.weights, ref.weights):
+        scale = max(float(np.abs(numpy(r)).max()), 1e-30)
+        assert float(np.abs(numpy(v) - numpy(r)).max()) <= 2e-3 * scale, v.path  # float16 activations
+
+
+def test_the_report_and_the_summary_say_how_each_gradient_is_computed():
+    m = model()
+    plan = ff.Plan([ff.freeze("**"), ff.train(TRAINED["range"]), ff.train("**/head/kernel[:, :1]")])
+    frz = ff.Freezer(m, plan, gradients="sliced")
+    got = {v["path"]: v["gradient"] for v in frz.report()["variables"]}
+    assert got["tok/embeddings"] == ("sparse" if BACKEND == "tensorflow" else "sliced")
+    assert got["head/kernel"] == "sliced" and got["head/bias"] is None  # frozen: no gradient
+    assert "[compact, sliced]" in frz.summary(detail=True)
+    dense = ff.Freezer(model(), plan, gradients="dense")
+    assert {v["gradient"] for v in dense.report()["variables"]} <= {"dense", "sparse", None}
+    assert "sliced]" not in dense.summary(detail=True)
