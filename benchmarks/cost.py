@@ -22,6 +22,7 @@ thread per process by default (ratios are stable then; ``--threads 0`` for
 the framework's default).
 
     python benchmarks/cost.py [--rounds 7] [--steps 10] [--rows 100] [--threads 1]
+    python benchmarks/cost.py --vocab 600000 --only sliced,compact   # a table ten times larger
     KERAS_BACKEND=jax python benchmarks/cost.py
 """
 
@@ -60,6 +61,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=60_000)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated variants (frozen always runs)")
     a = ap.parse_args()
     threads(a.threads)
 
@@ -90,6 +92,8 @@ def main():
         "sliced": (ff.Plan([ff.freeze("token_embedding/**"), ff.train(new_rows)]), "auto", "sliced"),
         "full": (None, None, None),
     }
+    only = {v.strip() for v in a.only.split(",") if v.strip()}
+    plans = {k: v for k, v in plans.items() if k == "frozen" or not only or k in only}
     variants, info = {}, {}
     for name, (plan, strategy, gradients) in plans.items():
         m = model()

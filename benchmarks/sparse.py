@@ -120,7 +120,7 @@ def run_sparse(score, options, budget, seed, data, args, reselect=False):
             epochs=args.delta_epochs, optimizer=keras.optimizers.Adam(args.lr), **options,
         )  # fmt: skip
     choose = time.perf_counter() - t
-    frz = ff.Freezer(model, plan)
+    frz = ff.Freezer(model, plan, gradients="sliced" if "structure" in options else "dense")  # slices: their own cost
     callbacks = [ff.callbacks.Reselect(data[0], every=args.reselect_every, fraction=0.1, batches=4)] if reselect else []
     acc, step, opt = fit(model, frz.wrap(keras.optimizers.Adam(args.lr)), data, args, callbacks)
     frz.verify()

@@ -220,3 +220,27 @@ def test_the_report_and_the_summary_say_how_each_gradient_is_computed():
     dense = ff.Freezer(model(), plan, gradients="dense")
     assert {v["gradient"] for v in dense.report()["variables"]} <= {"dense", "sparse", None}
     assert "sliced]" not in dense.summary(detail=True)
+
+
+def test_a_reversible_embedding_tied_to_the_output_trains_its_rows_as_the_dense_path_does():
+    """KerasHub's token embedding: the lookup sliced, the reverse projection (tied weights) Keras' own."""
+    got = {}
+    for gradients_ in ("sliced", "dense"):
+        keras.utils.set_random_seed(4)
+        i = keras.Input((7,), dtype="int32")
+        emb = keras.layers.ReversibleEmbedding(VOCAB, DIM, tie_weights=True, mask_zero=True, name="tok")
+        h = keras.layers.GlobalAveragePooling1D()(emb(i))
+        m = keras.Model(i, emb(h, reverse=True))
+        frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train(TRAINED["range"])]), gradients=gradients_)
+        assert sliced_here(emb) is (gradients_ == "sliced")
+        table = numpy(emb.embeddings)
+        m.compile(
+            optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss=keras.losses.SparseCategoricalCrossentropy(True)
+        )
+        m.fit(IDS, IDS[:, 0], batch_size=16, epochs=2, shuffle=False, verbose=0)
+        frz.verify()
+        after = numpy(emb.embeddings)
+        assert np.array_equal(after[: VOCAB - NEW], table[: VOCAB - NEW])
+        assert not np.array_equal(after[VOCAB - NEW :], table[VOCAB - NEW :])
+        got[gradients_] = after
+    close(got["sliced"], got["dense"], "tied table")

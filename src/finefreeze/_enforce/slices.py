@@ -5,8 +5,9 @@ Keras and KerasHub) or ``Conv1D/2D/3D`` layer whose trained elements lie in
 a block (some rows, columns, output or input channels, heads: indices along
 some of its axes) gets the weight gradient of that block only
 (:func:`finefreeze._backends.slices.sliced_product`); so does the table of
-an ``Embedding`` whose trained elements lie in some rows (new tokens): the
-gradient of those rows only, summed from the batch's ids. The block is the
+an ``Embedding`` (or ``ReversibleEmbedding``, KerasHub's token embedding)
+whose trained elements lie in some rows (new tokens): the gradient of those
+rows only, summed from the batch's ids. The block is the
 smallest one holding every trained element: along each axis the kernel's
 product runs over, the indices where something trains. A plan of index
 suffixes (``"d/kernel[:, :10]"``), a ``mask=`` of whole rows or columns or a
@@ -102,7 +103,8 @@ def _geometry(layer, variable):
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
         return None
     call, rank = type(layer).call, len(variable.shape)
-    if call is keras.layers.Embedding.call and getattr(layer, "_embeddings", None) is variable and rank == 2:
+    lookups = (keras.layers.Embedding.call, getattr(getattr(keras.layers, "ReversibleEmbedding", None), "call", None))
+    if call in lookups and getattr(layer, "_embeddings", None) is variable and rank == 2:
         return "rows", (0, None), (None, None)  # rows looked up by the ids, each whole
     if getattr(layer, "_kernel", None) is not variable or rank < 2:
         return None

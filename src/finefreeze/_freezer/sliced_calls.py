@@ -3,7 +3,8 @@
 For each partially frozen kernel :func:`finefreeze._enforce.slices.kernel_slice`
 finds a block for, the layer gets a ``call`` of its own instance (in its
 ``__dict__``, as Python looks there first): Keras' call of that class line
-for line (``Dense``, ``EinsumDense``, the convolutions, ``Embedding``), with
+for line (``Dense``, ``EinsumDense``, the convolutions, ``Embedding`` and
+``ReversibleEmbedding``'s lookup), with
 the kernel product (an embedding's lookup) replaced by
 :func:`finefreeze._backends.slices.sliced_product`. Nothing of it is saved:
 the layer keeps its class and its config, and a model saved while it trains
@@ -24,6 +25,7 @@ from typing import Any
 
 import keras
 from keras import ops
+from keras.src.backend import set_keras_mask
 
 from finefreeze._backends.questions import keras_backend
 from finefreeze._backends.slices import Taken, looked_up, sliced_product, slicing
@@ -115,13 +117,17 @@ def _give_call(layer, ks: KernelSlice, variable, owner, on: bool) -> None:
         # mixed precision: Keras' LossScaleOptimizer checks every gradient densely (PyTorch's sparse one cannot be)
         taken.sparse_rows = layer.dtype_policy.compute_dtype == layer.dtype_policy.variable_dtype
 
-        def call(inputs):
-            if not sliced():
-                return plain(inputs)
-            if inputs.dtype != "int32" and inputs.dtype != "int64":
-                inputs = ops.cast(inputs, "int32")
-            outputs = looked_up(layer.embeddings, inputs, taken)
-            return ops.cast(outputs, dtype=layer.compute_dtype)
+        reversible = type(layer).call is not keras.layers.Embedding.call  # ReversibleEmbedding: its mask in call
+
+        def call(inputs, **kwargs):
+            if not sliced() or kwargs.get("reverse"):  # reverse: the table as the output projection, Keras' own
+                return plain(inputs, **kwargs)
+            ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
+            outputs = ops.cast(looked_up(layer.embeddings, ids, taken), dtype=layer.compute_dtype)
+            mask = keras.layers.Embedding.compute_mask(layer, inputs) if reversible else None
+            if mask is not None:
+                set_keras_mask(outputs, mask)
+            return outputs
 
     elif ks.kind == "einsum":
 

@@ -1,0 +1,115 @@
+"""Scattered trained elements: the weight gradient at those elements only (a sampled product) against the dense one.
+
+A ``Dense`` kernel ``(n_in, n_out)`` of which ``k`` elements ``(i, j)``
+train, scattered (no slice holds them): the dense path computes the whole
+weight gradient ``x.T @ dy`` (``2 * rows * n_in * n_out`` flops); a sampled
+product computes ``sum(x[:, i] * dy[:, j])`` for the ``k`` pairs only
+(``2 * rows * k`` flops, gathered), then puts them into the kernel-shaped
+gradient. Timed per backend on the compiled function (``tf.function``,
+``jax.jit``; PyTorch eager), one thread, interleaved rounds, median
+(min-max) of the sampled time over the dense time per trained fraction; the
+crossover is the largest fraction at which the sampled product is faster.
+
+    python benchmarks/sampled.py [--rows 192] [--width 896] [--rounds 7]
+    KERAS_BACKEND=jax python benchmarks/sampled.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cost import threads  # noqa: E402
+
+FRACTIONS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3)
+
+
+def functions(backend: str, n_in: int, n_out: int):
+    """``(compile, dense, sampled)``: the dense weight gradient and the sampled one, kernel-shaped, on ``backend``."""
+    from keras import ops
+
+    def dense(x, dy, i, j):
+        return ops.matmul(ops.transpose(x), dy)
+
+    def sampled(x, dy, i, j):
+        values = ops.sum(ops.take(x, i, axis=1) * ops.take(dy, j, axis=1), axis=0)
+        return ops.scatter(ops.stack([i, j], axis=1), values, (n_in, n_out))
+
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return lambda f: tf.function(f, jit_compile=False), dense, sampled
+    if backend == "jax":
+        import jax
+
+        return jax.jit, dense, sampled
+    return (lambda f: f), dense, sampled
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=192, help="rows of x and dy (batch x positions)")
+    ap.add_argument("--width", type=int, default=896)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    threads(a.threads)
+
+    import keras
+    import numpy as np
+
+    backend = keras.backend.backend()
+    rng = np.random.default_rng(0)
+    n = a.width
+    x = keras.ops.convert_to_tensor(rng.normal(size=(a.rows, n)).astype("float32"))
+    dy = keras.ops.convert_to_tensor(rng.normal(size=(a.rows, n)).astype("float32"))
+    compile_, dense, sampled = functions(backend, n, n)
+    dense_c, sampled_c = compile_(dense), compile_(sampled)
+    cases = {}
+    for frac in FRACTIONS:
+        flat = np.sort(rng.choice(n * n, max(1, int(frac * n * n)), replace=False))
+        i = keras.ops.convert_to_tensor((flat // n).astype("int32"))
+        j = keras.ops.convert_to_tensor((flat % n).astype("int32"))
+        ref = keras.ops.convert_to_numpy(dense_c(x, dy, i, j))
+        got = keras.ops.convert_to_numpy(sampled_c(x, dy, i, j))
+        gap = float(np.abs(got[flat // n, flat % n] - ref[flat // n, flat % n]).max() / np.abs(ref).max())
+        cases[frac] = (i, j, gap)
+
+    def timed(f, *args):
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            out = f(*args)
+        keras.ops.convert_to_numpy(out[:1, :1])  # JAX dispatches asynchronously: wait for the last one
+        return (time.perf_counter() - t0) / a.steps
+
+    ratios = {f: [] for f in FRACTIONS}
+    dense_ms = []
+    for _ in range(a.rounds):
+        for frac, (i, j, _) in cases.items():
+            d = timed(dense_c, x, dy, i, j)
+            s = timed(sampled_c, x, dy, i, j)
+            ratios[frac].append(s / d)
+            dense_ms.append(1000 * d)
+    print(
+        f"## {backend}: weight gradient of a Dense({n}) kernel, {a.rows} rows, {a.threads or 'default'} thread(s); "
+        f"dense product {statistics.median(dense_ms):.2f} ms\n"
+    )
+    print("| trained fraction | elements | sampled / dense | rounding (of the largest) |")
+    print("| --- | --- | --- | --- |")
+    crossover = None
+    for frac, r in ratios.items():
+        med = statistics.median(r)
+        crossover = frac if med < 1 else crossover
+        print(
+            f"| {100 * frac:g} % | {int(frac * n * n):,} | {med:.2f} ({min(r):.2f}–{max(r):.2f}) | {cases[frac][2]:.1e} |"
+        )
+    print(f"\nSampled faster up to: {'none of these' if crossover is None else f'{100 * crossover:g} %'}")
+
+
+if __name__ == "__main__":
+    main()
