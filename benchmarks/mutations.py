@@ -201,8 +201,8 @@ MUTATIONS = [
     (
         "slices: new rows read back in another order (TensorFlow's row block)",
         "_backends/variables.py",
-        '        rows = native(v).sparse_read(ops.arange(block[0].start or 0, block[0].stop, dtype="int32"))',
-        '        rows = native(v).sparse_read(ops.flip(ops.arange(block[0].start or 0, block[0].stop, dtype="int32")))',
+        '        rows = tensorflow_imported().gather(native(v), ops.arange(block[0].start or 0, block[0].stop, dtype="int32"))',
+        '        rows = tensorflow_imported().gather(native(v), ops.flip(ops.arange(block[0].start or 0, block[0].stop, dtype="int32")))',
         "tests/test_slices_rows.py -k dense_path",
     ),
     (

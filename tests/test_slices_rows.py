@@ -244,3 +244,37 @@ def test_a_reversible_embedding_tied_to_the_output_trains_its_rows_as_the_dense_
         assert not np.array_equal(after[VOCAB - NEW :], table[VOCAB - NEW :])
         got[gradients_] = after
     close(got["sliced"], got["dense"], "tied table")
+
+
+def test_negative_ids_count_from_the_end_as_keras_take_does():
+    """``-1`` is the last row for Keras' lookup: the same output, and the last row trains, on every path."""
+    ids = IDS.copy()
+    ids[:, 3] = -1
+    got = {}
+    for gradients_ in ("sliced", "dense"):
+        m = model()
+        plain_out = numpy(m(ids[:2]))  # Keras' own lookup, before any Freezer
+        frz = ff.Freezer(m, ff.Plan([ff.freeze("**/tok/**"), ff.train(TRAINED["range"])]), gradients=gradients_)
+        assert np.array_equal(numpy(m(ids[:2])), plain_out)
+        last = numpy(m.get_layer("tok").embeddings)[-1]
+        m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.5)), loss="mse")
+        m.fit(ids, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        frz.verify()
+        got[gradients_] = numpy(m.get_layer("tok").embeddings)
+        assert not np.array_equal(got[gradients_][-1], last), "the last row did not train"
+    close(got["sliced"], got["dense"], "table")
+
+
+def test_a_loss_scale_optimizer_around_the_wrapper_gets_gradients_it_can_check():
+    """Keras' LossScaleOptimizer checks every gradient densely: PyTorch's rows then arrive dense."""
+    got = {}
+    for gradients_ in ("sliced", "dense"):
+        m = model()
+        frz = ff.Freezer(m, ff.Plan([ff.freeze("**/tok/**"), ff.train(TRAINED["range"])]), gradients=gradients_)
+        table = numpy(m.get_layer("tok").embeddings)
+        m.compile(optimizer=keras.optimizers.LossScaleOptimizer(frz.wrap(keras.optimizers.Adam(0.01))), loss="mse")
+        m.fit(IDS, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        frz.verify()
+        got[gradients_] = numpy(m.get_layer("tok").embeddings)
+        assert np.array_equal(got[gradients_][: VOCAB - NEW], table[: VOCAB - NEW])
+    close(got["sliced"], got["dense"], "table")

@@ -143,7 +143,7 @@ class Taken:
         The ids outside the block land in one spare segment, dropped.
         """
         n, width = self.block_shape[0], self.shape[1]
-        ids = ops.reshape(ops.cast(ids, "int32"), (-1,))
+        ids = wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), self.shape[0])
         place = self.places[0]
         if isinstance(place, tuple):
             pos = ops.subtract(ids, place[0])
@@ -194,6 +194,11 @@ class Taken:
         return block
 
 
+def wrapped(ids, rows: int):
+    """Negative ids counted from the end, as ``keras.ops.take`` counts them (``-1``: the last row)."""
+    return ops.where(ops.less(ids, 0), ops.add(ids, ops.cast(rows, ids.dtype)), ids)
+
+
 def lookup(ids, table):
     """``Embedding``'s product: the rows of ``table`` at ``ids`` (its gradient is the looked-up rows' own)."""
     return ops.take(table, ids, axis=0)
@@ -202,7 +207,7 @@ def lookup(ids, table):
 def looked_up(table, ids, taken: Taken):
     """``Embedding``'s lookup of ``ids`` in ``table`` (a Keras variable) whose gradient costs the batch, not the table.
 
-    TensorFlow reads the rows from the resource (``sparse_read``, as
+    TensorFlow reads the rows from the resource (``tf.gather`` of the variable, as
     ``tf.nn.embedding_lookup`` does): the gradient is Keras' own
     ``IndexedSlices`` of the batch's rows, bit for bit, and the table is never
     read whole (a variable ``compact`` writes sparsely would copy itself at
@@ -214,7 +219,7 @@ def looked_up(table, ids, taken: Taken):
 
         resource = getattr(table, "value", table)
         if isinstance(resource, tf.Variable):  # tf.gather of a variable reads the rows (ResourceGather)
-            return tf.gather(resource, ids)
+            return tf.gather(resource, wrapped(ids, int(table.shape[0])))
         return lookup(ids, ops.convert_to_tensor(table))
     return sliced_product(lookup, ids, ops.convert_to_tensor(table), taken)
 

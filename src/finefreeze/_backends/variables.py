@@ -263,7 +263,7 @@ def read_block(v, block: tuple, idx):
     if tensorflow() is None:
         return take_block(current(v), block)
     if _row_block(tuple(int(d) for d in v.shape), block):
-        rows = native(v).sparse_read(ops.arange(block[0].start or 0, block[0].stop, dtype="int32"))
+        rows = tensorflow_imported().gather(native(v), ops.arange(block[0].start or 0, block[0].stop, dtype="int32"))
         return ops.reshape(rows, (-1,))
     return take_values(v, idx)
 

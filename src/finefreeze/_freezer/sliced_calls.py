@@ -90,12 +90,12 @@ def set_sliced(target, res, owner, on: bool = True) -> bool:
             del layer.__dict__["call"], layer.__dict__[MARK]
             changed = True
         if new is not None:
-            _give_call(layer, new[1], new[2], owner, new[3])
+            _give_call(layer, new[1], new[2], owner, new[3], target.obj)
             changed = True
     return changed
 
 
-def _give_call(layer, ks: KernelSlice, variable, owner, on: bool) -> None:
+def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None) -> None:
     taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
     mark = _Mark(ks, variable, weakref.ref(owner), on)
     plain = type(layer).call.__get__(layer)
@@ -114,14 +114,16 @@ def _give_call(layer, ks: KernelSlice, variable, owner, on: bool) -> None:
             return _bias_and_activation(layer, x)
 
     elif ks.kind == "rows":
-        # mixed precision: Keras' LossScaleOptimizer checks every gradient densely (PyTorch's sparse one cannot be)
-        taken.sparse_rows = layer.dtype_policy.compute_dtype == layer.dtype_policy.variable_dtype
-
         reversible = type(layer).call is not keras.layers.Embedding.call  # ReversibleEmbedding: its mask in call
+        model = weakref.ref(model_of) if model_of is not None else (lambda: None)
 
         def call(inputs, **kwargs):
             if not sliced() or kwargs.get("reverse"):  # reverse: the table as the output projection, Keras' own
                 return plain(inputs, **kwargs)
+            # a LossScaleOptimizer (mixed precision, or compiled around the wrapper) checks every gradient
+            # densely, which PyTorch's sparse one cannot be: it gets a dense one
+            scaled = isinstance(getattr(model(), "optimizer", None), keras.optimizers.LossScaleOptimizer)
+            taken.sparse_rows = not scaled and layer.dtype_policy.compute_dtype == layer.dtype_policy.variable_dtype
             ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
             outputs = ops.cast(looked_up(layer.embeddings, ids, taken), dtype=layer.compute_dtype)
             mask = keras.layers.Embedding.compute_mask(layer, inputs) if reversible else None
