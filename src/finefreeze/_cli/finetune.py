@@ -338,7 +338,7 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     keras.utils.set_random_seed(0)  # a preset's new head: the same command makes the same model
     model, (x, y), val = training_inputs(model_path, data, sequence_length=sequence_length)
     keras.utils.set_random_seed(0)  # dropout and friends: the same command trains the same model
-    frz = ff.Freezer(model, the_plan, strategy=strategy, gradients="sliced")  # new rows at their own cost
+    frz = ff.Freezer(model, the_plan, strategy=strategy)
     out = stage.out
     files = {}
     if model_path is None:
