@@ -78,9 +78,7 @@ def current(v):
 def is_sparse(grad) -> bool:
     """Whether ``grad`` is sparse: TensorFlow's ``IndexedSlices``, or a PyTorch sparse tensor (sliced embeddings)."""
     tf = tensorflow_imported()
-    if tf is not None and isinstance(grad, tf.IndexedSlices):
-        return True
-    return keras_backend() == "torch" and getattr(grad, "is_sparse", False) is True
+    return (tf is not None and isinstance(grad, tf.IndexedSlices)) or _torch_sparse(grad)
 
 
 def _torch_sparse(grad) -> bool:
