@@ -14,7 +14,11 @@ warmed up first, then timed in interleaved rounds (A B C ..., A B C ...):
   kernels frozen (``gradients="sliced"``: the slice's own weight gradient);
 - ``cols 10 % dense``: the same plan with ``gradients="dense"`` (the whole
   weight gradient, then the strategy keeps the frozen part);
-- ``elements 10 %``: 10 % of each such kernel's elements at random (no slice).
+- ``elements 10 %``: 10 % of each such kernel's elements at random (no slice);
+- ``cols 10 % list`` (every tenth column, an index list), ``cols 25 %``,
+  ``cols 50 %``, ``cols 50 % list`` (every other column) and
+  ``cols 50 % dense``: where slicing stops paying
+  (``gradients="auto"`` slices what these say pays).
 
 ``excess = (step - floor) / (full - floor)`` per round: 1.0 means the frozen
 part cost as much as training it, 0.1 what training a tenth should cost.
@@ -135,6 +139,11 @@ def main():
         "cols 10 % restore": (sliced(f"[:, :{w // 10}]"), "sliced", "restore"),
         "cols 1 %": (sliced(f"[:, :{max(1, w // 100)}]"), "sliced"),
         "rows 10 %": (sliced(f"[:{w // 10}]"), "sliced"),
+        "cols 10 % list": (sliced("[:, ::10]"), "sliced"),
+        "cols 25 %": (sliced(f"[:, :{w // 4}]"), "sliced"),
+        "cols 50 %": (sliced(f"[:, :{w // 2}]"), "sliced"),
+        "cols 50 % list": (sliced("[:, ::2]"), "sliced"),
+        "cols 50 % dense": (sliced(f"[:, :{w // 2}]"), "dense"),
         "elements 10 %": (elements, "sliced"),
     }
     only = {s.strip() for s in a.only.split(",") if s.strip()}

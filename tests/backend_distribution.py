@@ -35,6 +35,32 @@ def train(strategy, plan=PLAN, gradients="dense"):
     return m, after, frz
 
 
+def new_rows():
+    """New rows of an embedding on their own gradient (gradients="sliced"): the table after two epochs."""
+    keras.utils.set_random_seed(0)
+    ids = np.random.default_rng(2).integers(0, 30, (64, 5)).astype("int32")
+    ids[:, 0] = 25 + np.arange(64) % 5  # every batch holds new tokens
+    m = keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(30, 4, name="tok"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2, name="head"),
+        ],
+        name="m",
+    )
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/tok/**"), ff.train("**/tok/embeddings[25:]")]), gradients="sliced")
+    assert "_finefreeze_sliced" in m.get_layer("tok").__dict__
+    before = np.array(keras.ops.convert_to_numpy(m.get_layer("tok").embeddings), copy=True)
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.fit(ids, Y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    frz.verify()
+    after = np.asarray(keras.ops.convert_to_numpy(m.get_layer("tok").embeddings))
+    assert np.array_equal(after[:25], before[:25]), "frozen rows moved"
+    assert not np.array_equal(after[25:], before[25:]), "the new rows did not train"
+    return after
+
+
 def main() -> None:
     devices = keras.distribution.list_devices("cpu")
     assert len(devices) == 2, devices
@@ -54,6 +80,12 @@ def main() -> None:
     assert "_finefreeze_sliced" in m.get_layer("backbone").__dict__  # the slice's own weight gradient
     np.testing.assert_allclose(data_parallel, single_sliced, rtol=1e-5, atol=1e-6)
     print("DataParallel over 2 devices, a sliced kernel: frozen exact, trained as on one device")
+
+    keras.distribution.set_distribution(None)
+    single_rows = new_rows()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    np.testing.assert_allclose(new_rows(), single_rows, rtol=1e-5, atol=1e-6)
+    print("DataParallel over 2 devices, new embedding rows: frozen exact, trained as on one device")
 
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
     layouts = keras.distribution.LayoutMap(mesh)

@@ -235,30 +235,49 @@ def test_a_model_saved_while_slices_train_loads_as_plain_keras(tmp_path):
     assert not any("call" in layer.__dict__ for layer in loaded.layers)
     for a, b in zip(loaded.weights, m.weights):
         assert np.array_equal(numpy(a), numpy(b)), a.path
-    again = ff.Freezer.of(loaded)  # rebuilt from the file: the default dense gradients
-    assert not any(MARK in layer.__dict__ for layer in loaded.layers)
+    again = ff.Freezer.of(loaded)  # rebuilt from the file: the gradients it was saved with
+    assert again.gradients == "sliced"
+    assert sorted(layer.name for layer in loaded.layers if MARK in layer.__dict__) == sorted(
+        layer.name for layer in m.layers if MARK in layer.__dict__
+    )
     before = {v.path: numpy(v) for v in loaded.weights}
     loaded.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    m.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # the run that was not interrupted
     again.verify()
-    for v in loaded.weights:
+    for v, w in zip(loaded.weights, m.weights):
         frozen = again.frozen_mask(v.path)
         assert np.array_equal(numpy(v)[frozen], before[v.path][frozen]), v.path
+        assert np.array_equal(numpy(v), numpy(w)), v.path  # the resumed run is the same run, bit for bit
 
 
-def test_select_scores_every_element_of_a_sliced_kernel():
-    m = model()
-    ff.Freezer(m, plan("columns, heads, output channels"), gradients="sliced")
-    fresh = model()
-    a = ff.select(m, (X, Y), budget=0.3, score="gradient", loss="mse", batch_size=16)
-    b = ff.select(fresh, (X, Y), budget=0.3, score="gradient", loss="mse", batch_size=16)
-    assert a.to_dict() == b.to_dict()
+def test_a_file_of_an_earlier_release_resumes_on_the_dense_gradients(tmp_path):
+    """Its optimizer config has no "gradients": it trained on the dense path, and resumes on it."""
+    import json
+    import zipfile
+
+    m, frz, _ = fit(plan("rows, input channels"), epochs=1)
+    m.save(tmp_path / "m.keras")
+    with zipfile.ZipFile(tmp_path / "m.keras") as z:
+        files = {n: z.read(n) for n in z.namelist()}
+    config = json.loads(files["config.json"])
+    del config["compile_config"]["optimizer"]["config"]["gradients"]
+    files["config.json"] = json.dumps(config).encode()
+    with zipfile.ZipFile(tmp_path / "old.keras", "w") as z:
+        for n, data in files.items():
+            z.writestr(n, data)
+    loaded = keras.models.load_model(tmp_path / "old.keras")
+    again = ff.Freezer.of(loaded)
+    assert again.gradients == "dense"
+    assert not any(MARK in layer.__dict__ for layer in loaded.layers)
+    loaded.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    again.verify()
 
 
 def test_gradients_dense_switches_the_slices_off_and_a_wrong_value_is_refused():
     m = model()
     ff.Freezer(m, plan("columns, heads, output channels"), gradients="dense")
     assert not any(MARK in layer.__dict__ for layer in m.layers)
-    with pytest.raises(ff.PlanError, match="gradients='sparse'.*'dense'.*'sliced'"):
+    with pytest.raises(ff.PlanError, match="gradients='sparse'.*'auto'.*'sliced'.*'dense'"):
         ff.Freezer(m, plan("columns, heads, output channels"), gradients="sparse")
 
 

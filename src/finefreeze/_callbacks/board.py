@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from finefreeze._freezer.freezer import freezer_of
+from finefreeze._freezer.reload import freezer_of
 from finefreeze._optimizer.wrapper import find_freezing_optimizer
 from finefreeze._report.events import EventWriter, require_tensorboard
 from finefreeze._report.maskview import frozen_fraction_image, to_rgb

@@ -11,7 +11,7 @@ import numpy as np
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.gradients import need_gradients
 from finefreeze._errors import FreezeWarning, PlanError
-from finefreeze._freezer.freezer import freezer_of
+from finefreeze._freezer.reload import freezer_of
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._select.scores import stream_scores
@@ -159,6 +159,6 @@ class Reselect(keras.callbacks.Callback):
             sel = rule_selector(v.path)
             rules += [freeze(sel), train(sel, mask=trained)]
         plan = Plan(rules, strict=self._base.strict, batchnorm=self._base.batchnorm)
-        frz.update(plan)
+        frz.update(plan, often=True)  # again in a few steps: gradients="auto" keeps moved slices dense
         self.swaps.append({"step": self._iterations(), "swapped": swapped})
         return plan

@@ -36,13 +36,34 @@ import dataclasses
 import keras
 import numpy as np
 
-__all__ = ["MARK", "SLICE_AT_MOST", "KernelSlice", "einsum_axes", "exact_block", "kernel_slice", "sliced_gradient"]
+__all__ = [
+    "AUTO_PAYS",
+    "MARK",
+    "SLICE_AT_MOST",
+    "KernelSlice",
+    "einsum_axes",
+    "exact_block",
+    "kernel_slice",
+    "pays",
+    "sliced_gradient",
+]
 
 #: the attribute (in the layer's ``__dict__``) of a layer whose call computes a block's weight gradient only
 MARK = "_finefreeze_sliced"
 
 #: a block of at most this fraction of its kernel gets its own weight gradient (docs/benchmarks.md)
 SLICE_AT_MOST = 0.5
+
+#: ``gradients="auto"``, per backend: the largest fraction of a kernel a block of ranges and a block with
+#: an index list (taken by a gather) get their own weight gradient at, and the fewest elements the kernel
+#: needs for it (below, the slice's taps cost more than the product they save). Measured with
+#: ``benchmarks/slices.py --only "cols 10 %,cols 10 % list,cols 25 %,cols 50 %,cols 50 % list,..."`` at
+#: widths 64, 256 and 896 (docs/benchmarks.md, *Where slicing pays*); a tie counts as paying, for the state.
+AUTO_PAYS = {
+    "tensorflow": (0.25, 0.0, 1 << 16),
+    "jax": (0.5, 0.1, 1 << 16),
+    "torch": (0.5, 0.25, 1 << 16),
+}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -156,10 +177,28 @@ def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
     return s if 0 < s.fraction <= SLICE_AT_MOST else None
 
 
+def pays(s: KernelSlice, backend: str | None = None) -> bool:
+    """Whether ``gradients="auto"`` gives ``s`` its own weight gradient: where ``benchmarks/`` measured it cheaper.
+
+    An embedding's rows always (``benchmarks/cost.py``: the dense path makes
+    the table's gradient); a kernel's block by :data:`AUTO_PAYS` of the backend
+    (``benchmarks/slices.py``).
+
+    Args:
+        s: the block.
+        backend: the Keras backend (default: the one in force).
+    """
+    if s.kind == "rows":
+        return True
+    ranges, lists, elements = AUTO_PAYS[backend or keras.backend.backend()]
+    contiguous = all(i is None or len(i) == 0 or int(i[-1]) - int(i[0]) + 1 == len(i) for i in s.index)
+    return s.fraction <= (ranges if contiguous else lists) and int(np.prod(s.shape, dtype=np.int64)) >= elements
+
+
 def sliced_gradient(owner, variable) -> KernelSlice | None:
     """The slice whose weight gradient ``owner``'s call computes for ``variable`` now (None: the dense gradient)."""
     mark = getattr(owner, "__dict__", {}).get(MARK)
-    return mark.slice if mark is not None and mark.variable is variable and mark.sliced else None
+    return mark.slice if mark is not None and mark.variable is variable and mark.now() else None
 
 
 def exact_block(frozen: np.ndarray) -> tuple | None:

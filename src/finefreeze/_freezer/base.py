@@ -81,6 +81,16 @@ class FreezerBase(abc.ABC):
         return self._strategy
 
     @property
+    def gradients(self) -> str:
+        """How sliced kernels get their weight gradient: ``"auto"``, ``"sliced"`` or ``"dense"`` (graphs: dense)."""
+        return getattr(self, "_gradients", "dense")
+
+    @property
+    def held_dense(self) -> list[str]:
+        """``gradients="auto"``: paths of kernels on the dense gradient since their slice moved often (``Reselect``)."""
+        return sorted(getattr(self, "_held", ()))
+
+    @property
     def resolution(self) -> Resolution:
         """The immutable resolution of the plan against the target."""
         return self._res

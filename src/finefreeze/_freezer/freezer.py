@@ -25,7 +25,10 @@ from finefreeze._resolve.fingerprint import take
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 
-__all__ = ["Freezer", "freezer_of"]
+__all__ = ["GRADIENTS", "Freezer"]
+
+#: the values of ``Freezer(..., gradients=)``
+GRADIENTS = ("auto", "sliced", "dense")
 
 
 class Freezer(FreezerBase):
@@ -45,11 +48,14 @@ class Freezer(FreezerBase):
         plan: the :class:`Plan` (a list of rules is accepted too).
         strategy: how partially frozen variables are enforced by
             :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
-        gradients: ``"dense"`` (the default): every kernel's whole weight
-            gradient, as plain Keras computes it; ``"sliced"``: a kernel of a
-            ``Dense``, ``EinsumDense`` or ``Conv`` layer whose trained
-            elements form a slice (rows, columns, channels, heads) gets the
-            weight gradient of that slice only (docs/strategies.md).
+        gradients: ``"auto"`` (the default): a kernel of a ``Dense``,
+            ``EinsumDense`` or ``Conv`` layer whose trained elements form a
+            slice (rows, columns, channels, heads), and an ``Embedding``
+            whose trained elements lie in some rows, get the weight gradient
+            of that slice only where ``benchmarks/`` measured it cheaper, the
+            others the whole one; ``"sliced"``: every slice; ``"dense"``:
+            every kernel's whole weight gradient, as plain Keras computes it
+            (docs/strategies.md).
 
     Raises:
         PlanError: the plan does not resolve against ``target``.
@@ -81,11 +87,15 @@ class Freezer(FreezerBase):
                 return GraphFreezer(*args, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", gradients: str = "dense"):
+    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", gradients: str = "auto"):
         super().__init__(plan, strategy)
-        if gradients not in ("sliced", "dense"):
-            raise PlanError(f"gradients={gradients!r}: give 'dense' or 'sliced' (slices get their own gradient)")
+        if gradients not in GRADIENTS:
+            raise PlanError(
+                f"gradients={gradients!r}: give 'auto' (slices get their own gradient where it pays), "
+                "'sliced' (always) or 'dense' (never)"
+            )
         self._gradients = gradients
+        self._held: set[str] = set()  # gradients="auto": kernels kept dense (their slice moves with Reselect)
         self._target = collect(target)
         check_scope(
             [vi.variable for vi in self._target.variables], "the Freezer", [vi.path for vi in self._target.variables]
@@ -142,7 +152,7 @@ class Freezer(FreezerBase):
             self.
         """
         set_flags(self._target, self._res)
-        set_sliced(self._target, self._res, self, self._gradients == "sliced")
+        set_sliced(self._target, self._res, self, self._gradients, self._held)
         if any(o.built and o.trains_outside() for o in self.optimizers()):
             return self.update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
         self._retrace()
@@ -207,7 +217,7 @@ class Freezer(FreezerBase):
             opts.append(compiled)
         return opts
 
-    def update(self, plan: Plan | list) -> Freezer:
+    def update(self, plan: Plan | list, *, often: bool = False) -> Freezer:
         """Change what is frozen, between steps (also from a callback inside ``fit``).
 
         A transaction: the new plan is resolved and checked against every
@@ -216,7 +226,7 @@ class Freezer(FreezerBase):
         the change is put in force is rolled back. Element-mask and
         ``lr_scale`` changes of variables that stay partially frozen take
         effect without retracing, unless the trained slice of a sliced kernel
-        changes with ``gradients="sliced"`` (the slice is part of the step). Variable-level changes set the Keras flags,
+        moves (the slice is part of the step). Variable-level changes set the Keras flags,
         rebuild the optimizers' per-variable state around the same inner
         optimizer and retrace the train function. Elements that keep training
         keep their state; released ones get a fresh optimizer's (zero moments,
@@ -228,6 +238,10 @@ class Freezer(FreezerBase):
 
         Args:
             plan: the new :class:`Plan` (or list of rules).
+            often: the plan will change again soon (``Reselect`` says so):
+                with ``gradients="auto"``, a sliced kernel whose slice this
+                change moves gets the dense gradient from now on, so that
+                the next changes need no retrace.
 
         Returns:
             self.
@@ -253,18 +267,18 @@ class Freezer(FreezerBase):
         self.sync()
         res = resolve(plan, self._target)
         opts = self.optimizers()
-        old = self._res
+        old, held = self._res, set(self._held)
         # Everything that can refuse the plan runs before anything changes.
         self._res = res
         try:
             flags_changed = set_flags(self._target, self._res)
-            flags_changed |= set_sliced(self._target, self._res, self, self._gradients == "sliced")
+            flags_changed |= set_sliced(self._target, self._res, self, self._gradients, self._held, often)
             var_list = self.trainable_variables_for_build()
             layouts = [opt.prepare_change(res, var_list) for opt in opts]
         except Exception:
-            self._res = old
+            self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self._gradients == "sliced")
+            set_sliced(self._target, self._res, self, self._gradients, self._held)
             raise
         step = self.step
         earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
@@ -278,9 +292,9 @@ class Freezer(FreezerBase):
         except BaseException:
             for u in undo:
                 opts[0].undo_change(u)
-            self._res = old
+            self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self._gradients == "sliced")
+            set_sliced(self._target, self._res, self, self._gradients, self._held)
             self._retrace()
             raise
         self._earlier += earlier
@@ -421,22 +435,6 @@ class Freezer(FreezerBase):
             ``{"path", "bytes", "tensors"}``.
         """
         return save_delta(self, path)
-
-
-def freezer_of(model, given, who: str):
-    """``given``, else the Freezer of ``model`` (``Freezer.of``).
-
-    Raises:
-        TypeError: there is none; the message says how to fix it.
-    """
-    if given is not None:
-        return given
-    frz = Freezer.of(model)
-    if frz is None:
-        raise TypeError(
-            f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
-        )
-    return frz
 
 
 # inspect.signature(Freezer) shows __init__'s parameters, not those of the dispatching __new__

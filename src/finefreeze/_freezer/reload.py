@@ -16,6 +16,7 @@ import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import PlanError
+from finefreeze._freezer.sliced_calls import set_sliced
 from finefreeze._kinds import Kind
 from finefreeze._optimizer.checkpoint import enforced
 from finefreeze._plan.plan import Plan
@@ -23,7 +24,7 @@ from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 
-__all__ = ["adopt_checkpoint", "masks_plan", "plan_of_masks", "rebuild_freezer"]
+__all__ = ["adopt_checkpoint", "freezer_of", "masks_plan", "plan_of_masks", "rebuild_freezer"]
 
 
 def _exact(path: str) -> str:
@@ -102,7 +103,12 @@ def rebuild_freezer(cls, model, opt):
         except PlanError:
             ok = False
         plan = opt.plan if ok else masks_plan(opt)
-    frz = cls(model, plan, strategy=opt.strategy)
+    # files of earlier releases trained on the dense gradients: they resume bit for bit on them
+    gradients = opt.saved_gradients or {"mode": "dense"}
+    frz = cls(model, plan, strategy=opt.strategy, gradients=gradients.get("mode", "dense"))
+    if gradients.get("held_dense"):  # kernels Reselect kept dense stay dense, as in the run that was saved
+        frz._held.update(gradients["held_dense"])
+        set_sliced(frz.target, frz.resolution, frz, frz.gradients, frz._held)
     opt.adopt_resolution(frz.resolution)
     frz._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan has been in force since before the save
     return frz
@@ -129,3 +135,21 @@ def adopt_checkpoint(frz, saved: dict, plan_dict: dict | None, step: int) -> Non
             plan = None
     frz.update(plan if plan is not None else plan_of_masks(saved))
     frz._history[-1].update(step=step, resumed=True)
+
+
+def freezer_of(model, given, who: str):
+    """``given``, else the Freezer of ``model`` (``Freezer.of``).
+
+    Raises:
+        TypeError: there is none; the message says how to fix it.
+    """
+    from finefreeze._freezer.freezer import Freezer  # the Freezer is made of this module's pieces
+
+    if given is not None:
+        return given
+    frz = Freezer.of(model)
+    if frz is None:
+        raise TypeError(
+            f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
+        )
+    return frz

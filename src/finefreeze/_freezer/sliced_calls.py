@@ -29,7 +29,7 @@ from keras.src.backend import set_keras_mask
 
 from finefreeze._backends.questions import keras_backend
 from finefreeze._backends.slices import Taken, looked_up, sliced_product, slicing
-from finefreeze._enforce.slices import MARK, KernelSlice, kernel_slice
+from finefreeze._enforce.slices import MARK, KernelSlice, kernel_slice, pays
 from finefreeze._resolve.resolve import PARTIAL
 
 __all__ = ["set_sliced"]
@@ -44,26 +44,60 @@ class _Mark:
     variable: Any
     owner: Any  # weak reference to the Freezer
     sliced: bool = True  # False: a TensorFlow table read sparsely under gradients="dense" (Keras' own gradient)
+    claims: Any = ()  # the layer's claims: two live Freezers keep it dense
+
+    def live(self) -> bool:
+        """The Freezer that set the call lives and is the only one planning the layer."""
+        return self.owner() is not None and len(self.claims) == 1
+
+    def now(self) -> bool:
+        """Whether the call computes the slice's gradient only, were it traced now."""
+        return self.sliced and self.live() and not _watched(self)
 
 
-def set_sliced(target, res, owner, on: bool = True) -> bool:
+def _watched(mark) -> bool:
+    """``gradients="auto"`` while the frozen gradient's norm is recorded (FreezeBoard): the dense gradient.
+
+    TensorFlow's rows are the exception: their gradient holds every row of the batch either way.
+    """
+    frz = mark.owner()
+    if frz is None or frz.gradients != "auto" or (mark.slice.kind == "rows" and keras_backend() == "tensorflow"):
+        return False
+    return any(getattr(o, "track_gradient_norms", False) for o in frz.optimizers())
+
+
+def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None, often: bool = False) -> bool:
     """Give every layer of ``target`` the call ``res`` asks for; return whether any call changed.
 
     Args:
         target: the collected target.
         res: the resolution in force.
         owner: the Freezer (held weakly: once it is gone, the layers compute dense gradients).
-        on: False: no layer is sliced (``gradients="dense"``); on TensorFlow a
-            partially frozen ``Embedding`` still reads its table sparsely,
-            which changes no maths (the gradient is Keras' own).
+        mode: the Freezer's ``gradients``. ``"dense"``: no layer is sliced (on
+            TensorFlow a partially frozen ``Embedding`` still reads its table
+            by rows, which changes no maths: the gradient is Keras' own);
+            ``"sliced"``: every slice :func:`kernel_slice` finds; ``"auto"``: those
+            :func:`~finefreeze._enforce.slices.pays` says pay, but not the paths in ``held``.
+        held: ``"auto"``: paths kept dense.
+        often: the plan changes again soon (``Reselect``): under ``"auto"`` a
+            sliced kernel whose slice moves joins ``held`` (the dense path
+            changes masks without a retrace; a moved slice retraces the step).
     """
     if target.kind != "keras":
         return False
+    held = set() if held is None else held
+    marks = {id(layer): layer.__dict__.get(MARK) for layer in target.layers if hasattr(layer, "__dict__")}
     want = {}
     for s in res.states:
         if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
             ks = kernel_slice(s.info.owner, s.variable, s.mask.dense())
-            # TensorFlow's table read sparsely changes no maths: it is the dense path too
+            on = mode == "sliced" or (mode == "auto" and ks is not None and pays(ks) and s.path not in held)
+            old = marks.get(id(s.info.owner))
+            if often and on and old is not None and old.sliced and old.variable is s.variable:
+                if old.slice.key != ks.key:  # the slice moved and will move again: the dense path from now on
+                    held.add(s.path)
+                    on = False
+            # TensorFlow's table read by rows changes no maths: it is the dense path too
             if ks is not None and (on or (ks.kind == "rows" and keras_backend() == "tensorflow")):
                 want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on)
     layers = [layer for layer in target.layers if hasattr(layer, "__dict__")]
@@ -97,13 +131,12 @@ def set_sliced(target, res, owner, on: bool = True) -> bool:
 
 def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None) -> None:
     taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
-    mark = _Mark(ks, variable, weakref.ref(owner), on)
+    mark = _Mark(ks, variable, weakref.ref(owner), on, layer.__dict__[CLAIMS])
     plain = type(layer).call.__get__(layer)
-
-    claims = layer.__dict__[CLAIMS]
+    tf_rows = ks.kind == "rows" and keras_backend() == "tensorflow"  # read by rows on every mode
 
     def sliced() -> bool:
-        return slicing() and mark.owner() is not None and len(claims) == 1
+        return slicing() and (mark.live() if tf_rows else mark.now())
 
     if ks.kind == "dense":
 

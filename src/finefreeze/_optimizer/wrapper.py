@@ -86,11 +86,12 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs,
     ):
-        resolution = kwargs.pop("_resolution", None)
-        layout = kwargs.pop("_layout", None)
-        saved_layout = kwargs.pop("_saved_layout", None)
+        resolution, layout = kwargs.pop("_resolution", None), kwargs.pop("_layout", None)
+        saved_layout, saved_gradients = kwargs.pop("_saved_layout", None), kwargs.pop("_gradients", None)
         refuse_arguments(FreezingOptimizer, inner_optimizer, plan, strategy, kwargs, step_count)
         super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
+        #: a loaded model's ``{"mode", "held_dense"}`` of ``Freezer(..., gradients=)``; earlier releases: None (dense)
+        self.saved_gradients = saved_gradients
         self.inner_optimizer = inner_optimizer
         self._plan = plan
         self._strategy = strategy
@@ -414,6 +415,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             except PlanError:
                 plan = None
         layout = self._layout.to_config() if self._layout is not None else self._saved_layout
+        frz = self.freezer
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -421,6 +423,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             "strategy": self._strategy,
             "step_count": self._step_count,
             "layout": layout,
+            "gradients": self.saved_gradients if frz is None else {"mode": frz.gradients, "held_dense": frz.held_dense},
         }
 
     @classmethod
@@ -435,6 +438,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             step_count=config.pop("step_count", "release"),
             name=config.pop("name", None),
             _saved_layout=config.pop("layout", None),
+            _gradients=config.pop("gradients", None),
         )
 
 

@@ -1,0 +1,189 @@
+"""``gradients="auto"`` (the default): slices get their own weight gradient where the benchmarks measured it cheaper.
+
+What auto decides is :func:`finefreeze._enforce.slices.pays`; these tests
+check that the layers follow it, that auto's training is the sliced path's
+bit for bit where it slices and the dense path's where it does not, and the
+three cases where auto keeps a slice on the dense gradient on purpose: a
+plan that changes often (``update(..., often=True)``, as ``Reselect`` calls
+it), a FreezeBoard recording the frozen gradient's norm, and a file of an
+earlier release. Backend-neutral.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import finefreeze as ff
+from finefreeze._enforce.slices import MARK, kernel_slice, pays
+
+BACKEND = keras.backend.backend()
+W = 256  # big enough that slicing pays on every backend (AUTO_PAYS)
+
+
+def model(seed=0):
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((W,))
+    h = keras.layers.Dense(W, activation="relu", name="big")(i)
+    h = keras.layers.Dense(8, activation="relu", name="small")(h)
+    return keras.Model(i, keras.layers.Dense(3, name="head")(h), name="m")
+
+
+def data(n=64, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, W)).astype("float32"), rng.normal(size=(n, 3)).astype("float32")
+
+
+def numpy(v):
+    return np.array(keras.ops.convert_to_numpy(v), copy=True)
+
+
+PLAN = ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, :8]"), ff.train("**/small/kernel[:, :2]")])
+
+
+def gradient_of(frz, path):
+    return {v["path"]: v["gradient"] for v in frz.report()["variables"]}[path]
+
+
+def sliced_layers(m):
+    return sorted(layer.name for layer in m.layers if MARK in layer.__dict__)
+
+
+def train(gradients, plan=PLAN, epochs=2):
+    m = model()
+    frz = ff.Freezer(m, plan, gradients=gradients)
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    before = {v.path: numpy(v) for v in m.weights}
+    x, y = data()
+    m.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    frz.verify()
+    for v in m.weights:
+        frozen = frz.frozen_mask(v.path)
+        assert np.array_equal(numpy(v)[frozen], before[v.path][frozen]), v.path
+    return m, frz
+
+
+def test_auto_is_the_default_and_slices_what_pays():
+    m = model()
+    frz = ff.Freezer(m, PLAN)
+    assert frz.gradients == "auto"
+    expected = []
+    for layer in m.layers:
+        if getattr(layer, "kernel", None) is None or frz.variable_state(layer.kernel.path) != "partial":
+            continue
+        ks = kernel_slice(layer, layer.kernel, frz.frozen_mask(layer.kernel.path))
+        if ks is not None and pays(ks):
+            expected.append(layer.name)
+    assert expected == ["big"]  # a 256 x 256 kernel at 3 %; the 256 x 8 one is too small to pay
+    assert sliced_layers(m) == expected
+    assert gradient_of(frz, "big/kernel") == "sliced" and gradient_of(frz, "small/kernel") == "dense"
+
+
+@pytest.mark.parametrize("trained", ["[:, :8]", "[:, :64]", "[:, :128]", "[:, ::10]", "[:, ::4]", "[:26]"])
+def test_the_layers_follow_what_pays_on_this_backend(trained):
+    m = model()
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**/kernel"), ff.train(f"**/big/kernel{trained}")]))
+    ks = kernel_slice(m.get_layer("big"), m.get_layer("big").kernel, frz.frozen_mask("big/kernel"))
+    assert ks is not None
+    assert sliced_layers(m) == (["big"] if pays(ks) else [])
+    assert gradient_of(frz, "big/kernel") == ("sliced" if pays(ks) else "dense")
+    assert sliced_layers(ff.Freezer(model(), frz.plan, gradients="sliced").target.obj) == ["big"]
+
+
+def test_what_pays_is_the_measured_table():
+    d = keras.layers.Dense(256)
+    d.build((None, 256))
+
+    def block(trained):
+        frozen = np.ones((256, 256), bool)
+        frozen[trained] = False
+        return kernel_slice(d, d.kernel, frozen)
+
+    ten, quarter, half = block(np.s_[:, :26]), block(np.s_[:, :64]), block(np.s_[:, :128])
+    every_tenth, every_fourth = block(np.s_[:, ::11]), block(np.s_[:, ::4])
+    assert [pays(s, "tensorflow") for s in (ten, quarter, half, every_tenth)] == [True, True, False, False]
+    assert [pays(s, "jax") for s in (ten, quarter, half, every_tenth, every_fourth)] == [True, True, True, True, False]
+    assert [pays(s, "torch") for s in (half, every_tenth, every_fourth)] == [True, True, True]
+    small = keras.layers.Dense(255)
+    small.build((None, 256))
+    frozen = np.ones((256, 255), bool)
+    frozen[:, :2] = False
+    assert not any(pays(kernel_slice(small, small.kernel, frozen), b) for b in ("tensorflow", "jax", "torch"))
+
+
+@pytest.mark.parametrize("partial", ["big", "small"])
+def test_auto_trains_as_the_sliced_path_where_it_slices_and_as_the_dense_path_elsewhere(partial):
+    plan = ff.Plan([ff.freeze(f"**/{partial}/kernel"), ff.train(f"**/{partial}/kernel[:, :2]")])
+    runs = {g: train(g, plan)[0] for g in ("auto", "sliced", "dense")}
+    same = "sliced" if partial == "big" else "dense"  # the small kernel is below AUTO_PAYS' elements
+    assert sliced_layers(runs["auto"]) == (["big"] if partial == "big" else [])
+    for a, s, d in zip(runs["auto"].weights, runs[same].weights, runs["dense"].weights):
+        assert np.array_equal(numpy(a), numpy(s)), a.path
+        # against the dense path: float rounding (tests/test_slices.py states the bound)
+        scale = max(float(np.abs(numpy(d)).max()), 1e-30)
+        assert float(np.abs(numpy(a) - numpy(d)).max()) <= 2e-5 * scale, a.path
+
+
+def test_a_plan_that_changes_often_keeps_its_moved_slices_dense_and_stops_retracing():
+    m, frz = train("auto", epochs=1)
+    x, y = data()
+    first = m.get_layer("big").__dict__[MARK].slice.key
+
+    def at(start):
+        return ff.Plan([ff.freeze("**/kernel"), ff.train(f"**/big/kernel[:, {start}:{start + 8}]")])
+
+    frz.update(at(8))  # a change that is not said to recur: the new slice gets its own gradient (a retrace)
+    assert frz.history[-1]["retraced"] and sliced_layers(m) == ["big"]
+    assert m.get_layer("big").__dict__[MARK].slice.key != first and frz.held_dense == []
+    frz.update(at(16), often=True)  # as Reselect calls it: the dense gradient from now on
+    assert frz.history[-1]["retraced"] and sliced_layers(m) == [] and frz.held_dense == ["big/kernel"]
+    m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for start in (24, 32):
+        before = {v.path: numpy(v) for v in m.weights}
+        frz.update(at(start), often=True)
+        assert not frz.history[-1]["retraced"] and sliced_layers(m) == []
+        m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        frz.verify()
+        for v in m.weights:
+            frozen = frz.frozen_mask(v.path)
+            assert np.array_equal(numpy(v)[frozen], before[v.path][frozen]), v.path
+    assert gradient_of(frz, "big/kernel") == "dense"
+
+
+def test_a_refused_change_leaves_the_kernels_held_as_they_were():
+    m, frz = train("auto", epochs=1)
+    with pytest.raises(ff.PlanError):
+        plan = ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]"), ff.train("**/nothere")])
+        frz.update(plan, often=True)
+    assert frz.held_dense == [] and sliced_layers(m) == ["big"]
+
+
+def test_kernels_held_dense_stay_dense_in_a_loaded_model_which_resumes_bit_for_bit(tmp_path):
+    m, frz = train("auto", epochs=1)
+    frz.update(ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]")]), often=True)
+    x, y = data()
+    m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    m.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    again = ff.Freezer.of(loaded)
+    assert again.gradients == "auto" and again.held_dense == ["big/kernel"] and sliced_layers(loaded) == []
+    m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    again.verify()
+    for a, b in zip(loaded.weights, m.weights):
+        assert np.array_equal(numpy(a), numpy(b)), a.path
+
+
+def test_freezeboard_under_auto_sees_the_frozen_gradient_that_sliced_never_computes(tmp_path):
+    pytest.importorskip("tensorboard")  # an optional install: FreezeBoard's own test checks its install hint
+    norms = {}
+    for gradients in ("auto", "sliced", "dense"):
+        m = model()
+        frz = ff.Freezer(m, ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, :8]")]), gradients=gradients)
+        m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.01)), loss="mse")
+        board = ff.callbacks.FreezeBoard(tmp_path / gradients, frz)
+        x, y = data()
+        m.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[board])
+        norms[gradients] = board.last_gradient_norms
+        assert gradient_of(frz, "big/kernel") == ("sliced" if gradients == "sliced" else "dense")
+    assert norms["sliced"][1] == 0.0 and norms["auto"][1] > 0.0
+    assert norms["auto"] == norms["dense"]  # the same step: the board's run of auto is the dense path
