@@ -212,6 +212,20 @@ MUTATIONS = [
         "            pos = ops.subtract(ids, place[0] - 1)",
         "KERAS_BACKEND=jax tests/test_slices_rows.py -k dense_path",
     ),
+    (
+        "auto: a slice that a recurring change moves is not held dense",
+        "_freezer/sliced_calls.py",
+        "                    held.add(s.path)\n",
+        "",
+        "tests/test_slices_auto.py -k changes_often",
+    ),
+    (
+        "auto: the layout follows the gradient computed now, not the mode's slices",
+        "_enforce/layout.py",
+        "cheap = sparse_gradients(s.info.owner) or slice_eligible(s.info.owner, s.variable) is not None",
+        "cheap = sparse_gradients(s.info.owner) or sliced_gradient(s.info.owner, s.variable) is not None",
+        "tests/test_slices_auto.py -k resumes_from",
+    ),
 ]
 
 

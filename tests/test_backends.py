@@ -76,9 +76,16 @@ def test_the_import_hook_hides_tensorflow(tmp_path):
     assert got.returncode != 0 and "ModuleNotFoundError: import of tensorflow halted" in got.stderr, got.stderr[-2000:]
 
 
-#: JAX compiles every step: its run is cut in three, so the suite's two workers can share it
+#: JAX compiles every step: its run is cut in four, so the suite's two workers can share it
 #: and no part comes near the 600 s a test may take.
 HEAVY = ["tests/test_conformance.py", "tests/test_dynamic.py"]
+SLICES = [
+    "tests/test_slices.py",
+    "tests/test_slices_rows.py",
+    "tests/test_slices_auto.py",
+    "tests/test_board_backends.py",
+    "tests/test_select_backends.py",
+]
 LONG_RUNS = [
     "tests/test_resume.py",
     "tests/test_faults.py",
@@ -90,7 +97,8 @@ LONG_RUNS = [
 PARTS = {
     ("jax", "conformance and plan changes"): HEAVY,
     ("jax", "resuming, fresh state, LoRA and real models"): LONG_RUNS,
-    ("jax", "the rest"): ["tests", *(f"--ignore={m}" for m in HEAVY + LONG_RUNS)],
+    ("jax", "slices, boards and selection"): SLICES,
+    ("jax", "the rest"): ["tests", *(f"--ignore={m}" for m in HEAVY + LONG_RUNS + SLICES)],
     ("torch", "all"): ["tests"],
 }
 

@@ -513,3 +513,12 @@ def test_a_graph_freezer_is_an_ff_freezer_from_the_start():
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.split()[-2:] == ["True", "False"]
+
+
+def test_a_graph_freezer_takes_the_gradients_setting_of_every_freezer_and_refuses_slices():
+    with tf.Graph().as_default() as g:
+        v1.get_variable("x", initializer=np.zeros(3, np.float32))
+        for given in ("auto", "dense"):
+            assert ff.Freezer(g, [ff.freeze("x[1]")], gradients=given).gradients == "dense"
+        with pytest.raises(ff.PlanError, match="gradients='sliced' is not available for tf.compat.v1 graphs"):
+            ff.Freezer(g, [ff.freeze("x[1]")], gradients="sliced")

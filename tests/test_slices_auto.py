@@ -45,7 +45,8 @@ def gradient_of(frz, path):
 
 
 def sliced_layers(m):
-    return sorted(layer.name for layer in m.layers if MARK in layer.__dict__)
+    """The layers whose call computes their slice's weight gradient only (a kernel held dense keeps a mark)."""
+    return sorted(layer.name for layer in m.layers if MARK in layer.__dict__ and layer.__dict__[MARK].now())
 
 
 def train(gradients, plan=PLAN, epochs=2):
@@ -113,7 +114,8 @@ def test_what_pays_is_the_measured_table():
 @pytest.mark.parametrize("partial", ["big", "small"])
 def test_auto_trains_as_the_sliced_path_where_it_slices_and_as_the_dense_path_elsewhere(partial):
     plan = ff.Plan([ff.freeze(f"**/{partial}/kernel"), ff.train(f"**/{partial}/kernel[:, :2]")])
-    runs = {g: train(g, plan)[0] for g in ("auto", "sliced", "dense")}
+    kept = {g: train(g, plan) for g in ("auto", "sliced", "dense")}  # the Freezers live: their calls hold
+    runs = {g: m for g, (m, _) in kept.items()}
     same = "sliced" if partial == "big" else "dense"  # the small kernel is below AUTO_PAYS' elements
     assert sliced_layers(runs["auto"]) == (["big"] if partial == "big" else [])
     for a, s, d in zip(runs["auto"].weights, runs[same].weights, runs["dense"].weights):
@@ -175,15 +177,89 @@ def test_kernels_held_dense_stay_dense_in_a_loaded_model_which_resumes_bit_for_b
 
 def test_freezeboard_under_auto_sees_the_frozen_gradient_that_sliced_never_computes(tmp_path):
     pytest.importorskip("tensorboard")  # an optional install: FreezeBoard's own test checks its install hint
-    norms = {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    norms, x, y = {}, *data()
     for gradients in ("auto", "sliced", "dense"):
         m = model()
         frz = ff.Freezer(m, ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, :8]")]), gradients=gradients)
         m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.01)), loss="mse")
         board = ff.callbacks.FreezeBoard(tmp_path / gradients, frz)
-        x, y = data()
         m.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[board])
         norms[gradients] = board.last_gradient_norms
-        assert gradient_of(frz, "big/kernel") == ("sliced" if gradients == "sliced" else "dense")
+        acc = EventAccumulator(str(tmp_path / gradients), size_guidance={"tensors": 0})
+        acc.Reload()
+        (text,) = [make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors("freeze/summary")]
+        assert ("sliced]" in text) == (gradients == "sliced"), text  # what this fit computed
+        if gradients == "auto":  # the board is done: the next fit slices again
+            m.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+            assert gradient_of(frz, "big/kernel") == "sliced" and sliced_layers(m) == ["big"]
     assert norms["sliced"][1] == 0.0 and norms["auto"][1] > 0.0
     assert norms["auto"] == norms["dense"]  # the same step: the board's run of auto is the dense path
+
+
+def _job(directory, crash):
+    """Three epochs; a callback moves the slice at epoch 1 as Reselect would (often=True); optionally a crash.
+
+    20 columns of 256: more than the 5 % ``auto`` compacts without a slice, so a layout that followed the
+    gradient computed now would turn ``restore`` once the kernel is held dense.
+    """
+    x, y = data()
+
+    def at(start):
+        return ff.Plan([ff.freeze("**/kernel"), ff.train(f"**/big/kernel[:, {start}:{start + 20}]")])
+
+    class Move(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                frz.update(at(20), often=True)
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    m = model()
+    frz = ff.Freezer(m, at(0))
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    callbacks = [Move(), keras.callbacks.BackupAndRestore(str(directory))] + ([Crash()] if crash else [])
+    try:
+        m.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+    except KeyboardInterrupt:
+        assert frz.held_dense == ["big/kernel"]
+    return m, frz
+
+
+def test_a_run_that_held_a_kernel_dense_resumes_from_its_checkpoint_bit_for_bit(tmp_path):
+    plain, _ = _job(tmp_path / "plain", crash=False)
+    _job(tmp_path / "run", crash=True)
+    resumed, frz = _job(tmp_path / "run", crash=False)  # the same script again, in a fresh model
+    assert frz.held_dense == ["big/kernel"] and sliced_layers(resumed) == []
+    assert frz.strategy_for("big/kernel") == "compact"
+    frz.verify()
+    for a, b in zip(resumed.weights, plain.weights):
+        assert np.array_equal(numpy(a), numpy(b)), a.path
+
+
+def test_a_loaded_model_that_trains_without_its_freezer_says_it_takes_the_dense_gradient(tmp_path):
+    m, frz = train("auto", epochs=1)
+    m.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    x, y = data()
+    with pytest.warns(ff.FreezeWarning, match=r"gradients='auto'.*ff\.Freezer\.of\(model\) after load_model"):
+        loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("often", ["yes", 1, None])
+def test_often_takes_a_bool_and_a_refused_value_changes_nothing(often):
+    m, frz = train("auto", epochs=1)
+    with pytest.raises(ff.PlanError, match=r"often=.*give True .* or False"):
+        frz.update(ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]")]), often=often)
+    assert frz.held_dense == [] and sliced_layers(m) == ["big"] and frz.plan.to_dict() == PLAN.to_dict()
+
+
+def test_often_holds_nothing_on_sliced_which_slices_whatever_it_costs():
+    m, frz = train("sliced", epochs=1)
+    frz.update(ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]")]), often=True)
+    assert frz.held_dense == [] and "big" in sliced_layers(m)

@@ -60,3 +60,19 @@ def test_the_state_column_names_the_wrapped_optimizer_on_every_path():
     m.compile(optimizer=f2.wrap(keras.optimizers.AdamW()), loss="mse")
     keep = f2.wrap(keras.optimizers.Lion())  # wrapped last, but AdamW is what trains the model
     assert "AdamW state" in f2.summary() and keep is not None
+
+
+def test_a_partial_variable_never_reads_as_all_frozen_or_all_trained():
+    w = keras.Variable(np.zeros((100, 100), "float32"), name="w")
+    frz = ff.Freezer([w], ff.Plan([ff.freeze("w"), ff.train("w[0, 0]")]))
+    assert "partial >99.9% frozen" in frz.summary()
+    frz.update(ff.Plan([ff.freeze("w[0, 0]")]))
+    assert "partial <0.1% frozen" in frz.summary()
+    frz.update(ff.Plan([ff.freeze("w[:50]")]))
+    assert "partial 50.0% frozen" in frz.summary()
+
+
+def test_the_grouped_view_of_no_plan_says_there_are_no_rules():
+    m = keras.Sequential([keras.Input((3,)), *(keras.layers.Dense(2, name=f"d{i}") for i in range(30))], name="m")
+    text = ff.Freezer(m, ff.Plan([])).summary(detail=False)
+    assert text.splitlines()[0] == "Freeze plan: no rules (every variable as Keras trains it)"

@@ -14,7 +14,7 @@ from finefreeze._backends.arrays import native, to_numpy
 from finefreeze._backends.questions import tensorflow
 from finefreeze._errors import DistributionError
 
-__all__ = ["owner_strategy", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
+__all__ = ["owner_strategy", "check_cross_replica", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
 
 
 def owner_strategy(variables):
@@ -68,6 +68,17 @@ def check_optimizer(opt, variables, what: str) -> None:
                 f"{type(owner).__name__} that owns the model; create optimizers inside "
                 "`with strategy.scope():`."
             )
+
+
+def check_cross_replica(var_list) -> None:
+    """Raise DistributionError when an optimizer of mirrored ``var_list`` is built inside ``strategy.run``."""
+    tf = tensorflow()
+    if tf is not None and owner_strategy(var_list) is not None and not tf.distribute.in_cross_replica_context():
+        raise DistributionError(
+            "FreezingOptimizer is being built inside strategy.run: build it in the strategy's "
+            "scope first (model.compile + fit do; in a custom loop call "
+            "opt.build(frz.trainable_variables) inside `with strategy.scope():`)."
+        )
 
 
 def owner_scope(variables):

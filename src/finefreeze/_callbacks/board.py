@@ -7,7 +7,7 @@ from typing import Any
 
 import keras
 
-from finefreeze._freezer.reload import freezer_of
+from finefreeze._callbacks.lookup import freezer_of
 from finefreeze._optimizer.wrapper import find_freezing_optimizer
 from finefreeze._report.events import EventWriter, require_tensorboard
 from finefreeze._report.maskview import frozen_fraction_image, to_rgb
@@ -137,11 +137,13 @@ class FreezeBoard(keras.callbacks.Callback):
         self._freezer_now = freezer_of(self.model, self._freezer, "FreezeBoard")
         self._opt = find_freezing_optimizer(self.model)
         self._writer = EventWriter(self.log_dir)
-        self.write_plan()
-        if self._opt is not None and not self._opt.track_gradient_norms:
-            self._opt.track_gradient_norms = True
-            if getattr(self.model, "train_function", None) is not None:
+        if self._opt is not None:
+            # gradients="auto" keeps slices dense while the norms are read: what the plan holds back is computed
+            retrace = not self._opt.track_gradient_norms or self._freezer_now.gradients == "auto"
+            self._opt.track_gradient_norms = self._opt.recording_norms = True
+            if retrace and getattr(self.model, "train_function", None) is not None:
                 self.model.make_train_function(force=True)
+        self.write_plan()  # after the switch: the summary says which gradients this fit computes
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
@@ -156,3 +158,7 @@ class FreezeBoard(keras.callbacks.Callback):
                 self._write_norms()
             self._writer.close()
             self._writer = None
+        if self._opt is not None and self._opt.recording_norms:
+            self._opt.recording_norms = False  # the next fit without a board slices again
+            if self._freezer_now.gradients == "auto" and getattr(self.model, "train_function", None) is not None:
+                self.model.make_train_function(force=True)

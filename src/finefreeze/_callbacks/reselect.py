@@ -10,8 +10,8 @@ import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.gradients import need_gradients
+from finefreeze._callbacks.lookup import freezer_of
 from finefreeze._errors import FreezeWarning, PlanError
-from finefreeze._freezer.reload import freezer_of
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._select.scores import stream_scores

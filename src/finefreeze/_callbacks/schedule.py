@@ -7,8 +7,8 @@ from typing import Any
 
 import keras
 
+from finefreeze._callbacks.lookup import freezer_of
 from finefreeze._errors import PlanError
-from finefreeze._freezer.reload import freezer_of
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import Rule, train
 from finefreeze._resolve.resolve import resolve

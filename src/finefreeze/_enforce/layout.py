@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from finefreeze._enforce.policy import choose_kind, compact_refusal, sparse_gradients
-from finefreeze._enforce.slices import exact_block, sliced_gradient
+from finefreeze._enforce.slices import exact_block, slice_eligible, sliced_gradient
 from finefreeze._errors import PlanError
 from finefreeze._kinds import KINDS, Kind
 from finefreeze._resolve.masks import ElementMask
@@ -183,9 +183,9 @@ class Layout:
                 entry = VarLayout(s.path, shape, Kind.TRAIN, None, s.info.size, scale)
             else:
                 # a sparse or sliced gradient: compact's step costs the trained part, restore's the whole variable
-                sliced = sliced_gradient(s.info.owner, s.variable) is not None
-                cheap = sparse_gradients(s.info.owner) or sliced
+                cheap = sparse_gradients(s.info.owner) or slice_eligible(s.info.owner, s.variable) is not None
                 k = choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, cheap, s.path)
+                sliced = sliced_gradient(s.info.owner, s.variable) is not None  # held dense: flat indices, no retrace
                 block = exact_block(s.mask.dense()) if sliced and k == Kind.COMPACT else None
                 entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale, block)
             pairs.append((s.variable, entry))

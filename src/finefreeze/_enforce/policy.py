@@ -16,13 +16,16 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from finefreeze._backends.questions import jax_has_int64, keras_is_jax, keras_is_tensorflow
-from finefreeze._errors import PlanError
+from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._kinds import Kind
 
 __all__ = [
+    "warn_inexact_mask",
     "AUTO_COMPACT_AT_MOST",
     "ELEMENTWISE",
     "choose_kind",
@@ -143,6 +146,19 @@ def choose_kind(
 
 def _constrained(variable) -> bool:
     return getattr(variable, "constraint", None) is not None
+
+
+def warn_inexact_mask(inner, layout) -> bool:
+    """Warn (``FreezeWarning``) when ``layout`` uses ``mask`` with an optimizer it is not exact with; return whether."""
+    reasons = inexact_reasons(inner) if any(e.kind == Kind.MASK for e in layout) else []
+    if reasons:
+        warnings.warn(
+            f"strategy 'mask' (gradient masking alone) is not exact with {type(inner).__name__}: "
+            f"{'; '.join(reasons)}. Frozen elements will drift; use strategy 'restore' or 'compact'.",
+            FreezeWarning,
+            stacklevel=5,
+        )
+    return bool(reasons)
 
 
 def inexact_reasons(opt) -> list[str]:

@@ -45,6 +45,7 @@ __all__ = [
     "exact_block",
     "kernel_slice",
     "pays",
+    "slice_eligible",
     "sliced_gradient",
 ]
 
@@ -190,9 +191,24 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
     """
     if s.kind == "rows":
         return True
-    ranges, lists, elements = AUTO_PAYS[backend or keras.backend.backend()]
+    measured = AUTO_PAYS.get(backend or keras.backend.backend())
+    if measured is None:  # a backend never measured (numpy takes no gradients): the dense path
+        return False
+    ranges, lists, elements = measured
     contiguous = all(i is None or len(i) == 0 or int(i[-1]) - int(i[0]) + 1 == len(i) for i in s.index)
     return s.fraction <= (ranges if contiguous else lists) and int(np.prod(s.shape, dtype=np.int64)) >= elements
+
+
+def slice_eligible(owner, variable) -> KernelSlice | None:
+    """The slice the Freezer's gradients mode gives ``variable`` its own gradient for, held dense for now or not.
+
+    The layout decides the strategy from this (a sliced kernel is kept
+    ``compact``), not from :func:`sliced_gradient`: a kernel on the dense
+    gradient for a while (a FreezeBoard recording norms, a plan that changes
+    often) keeps the optimizer variables it had.
+    """
+    mark = getattr(owner, "__dict__", {}).get(MARK)
+    return mark.slice if mark is not None and mark.variable is variable and mark.eligible else None
 
 
 def sliced_gradient(owner, variable) -> KernelSlice | None:

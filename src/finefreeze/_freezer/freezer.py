@@ -192,9 +192,9 @@ class Freezer(FreezerBase):
         if sync is not None:
             sync()
 
-    def adopt_checkpoint(self, saved: dict, plan: dict | None, step: int) -> None:
-        """Put in force the masks a checkpoint saved (its optimizer's ``load_own_variables`` calls this)."""
-        adopt_checkpoint(self, saved, plan, step)
+    def adopt_checkpoint(self, saved: dict, plan: dict | None, step: int, gradients: dict | None = None) -> None:
+        """Put in force the masks (and kernels held dense) a checkpoint saved (``load_own_variables`` calls this)."""
+        adopt_checkpoint(self, saved, plan, step, gradients)
 
     def trainable_variables_for_build(self) -> list:
         """What ``fit`` builds the optimizer on: the model's trainable variables (or this Freezer's)."""
@@ -263,6 +263,8 @@ class Freezer(FreezerBase):
             >>> [h["step"] for h in frz.history]
             [0, 1]
         """
+        if not isinstance(often, bool):
+            raise PlanError(f"update(..., often={often!r}): give True (the plan changes again soon) or False")
         plan = as_plan(plan)
         self.sync()
         res = resolve(plan, self._target)

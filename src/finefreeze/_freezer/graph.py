@@ -73,8 +73,15 @@ class GraphFreezer(FreezerBase):
     _words = GRAPH_WORDS
     _target_word = "graph"
 
-    def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", session=None):
+    def __init__(
+        self, target: Any, plan: Plan | list, *, strategy: str = "auto", gradients: str = "auto", session=None
+    ):
         super().__init__(plan, strategy)
+        if gradients not in ("auto", "dense"):
+            raise PlanError(
+                f"gradients={gradients!r} is not available for tf.compat.v1 graphs: their train ops take "
+                "the dense gradient; give 'auto' or 'dense'."
+            )
         plan = self._plan_given
         self._graph, infos = collect_graph(target, lambda v: self._values.read_one(v))  # where= reads
         self._values = GraphValues(self._graph, session)

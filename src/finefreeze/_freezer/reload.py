@@ -24,7 +24,7 @@ from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 
-__all__ = ["adopt_checkpoint", "freezer_of", "masks_plan", "plan_of_masks", "rebuild_freezer"]
+__all__ = ["adopt_checkpoint", "hold", "masks_plan", "plan_of_masks", "rebuild_freezer"]
 
 
 def _exact(path: str) -> str:
@@ -106,22 +106,43 @@ def rebuild_freezer(cls, model, opt):
     # files of earlier releases trained on the dense gradients: they resume bit for bit on them
     gradients = opt.saved_gradients or {"mode": "dense"}
     frz = cls(model, plan, strategy=opt.strategy, gradients=gradients.get("mode", "dense"))
-    if gradients.get("held_dense"):  # kernels Reselect kept dense stay dense, as in the run that was saved
-        frz._held.update(gradients["held_dense"])
-        set_sliced(frz.target, frz.resolution, frz, frz.gradients, frz._held)
+    hold(frz, gradients)
     opt.adopt_resolution(frz.resolution)
     frz._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan has been in force since before the save
     return frz
 
 
-def adopt_checkpoint(frz, saved: dict, plan_dict: dict | None, step: int) -> None:
+def hold(frz, gradients: dict | None) -> None:
+    """Hold dense the kernels a saved run held dense (``gradients="auto"``), matched to the model's paths.
+
+    A ``Sequential`` model loaded from a file names its variables without the
+    model's name (``big/kernel`` for ``net/big/kernel``): a saved path matches
+    the one it ends with, or that ends with it.
+    """
+    if frz.gradients != "auto" or gradients is None:
+        return
+    paths = [s.path for s in frz.resolution.states]
+    held = set()
+    for p in gradients.get("held_dense", ()):
+        hits = [q for q in paths if q == p] or [q for q in paths if q.endswith("/" + p) or p.endswith("/" + q)]
+        if len(hits) == 1:
+            held.add(hits[0])
+    if held != frz._held:
+        frz._held = held
+        if set_sliced(frz.target, frz.resolution, frz, frz.gradients, frz._held):
+            frz._retrace()
+
+
+def adopt_checkpoint(frz, saved: dict, plan_dict: dict | None, step: int, gradients: dict | None = None) -> None:
     """Put in force the masks a checkpoint was saved under (``Freezer.adopt_checkpoint``).
 
     The saved plan is taken when it resolves to exactly the saved masks (so a
     schedule recognises its stage), else a plan of the masks themselves.
-    Nothing changes when the plan in force already enforces them.
+    Nothing changes when the plan in force already enforces them. The
+    kernels the run held dense are held dense again (:func:`hold`).
     """
     frz.checkpoint_loads += 1
+    hold(frz, gradients)
     if _same(frz.resolution, saved):
         return
     frz.rebase()  # the model's weights were loaded just before: they are the baseline now
@@ -135,21 +156,3 @@ def adopt_checkpoint(frz, saved: dict, plan_dict: dict | None, step: int) -> Non
             plan = None
     frz.update(plan if plan is not None else plan_of_masks(saved))
     frz._history[-1].update(step=step, resumed=True)
-
-
-def freezer_of(model, given, who: str):
-    """``given``, else the Freezer of ``model`` (``Freezer.of``).
-
-    Raises:
-        TypeError: there is none; the message says how to fix it.
-    """
-    from finefreeze._freezer.freezer import Freezer  # the Freezer is made of this module's pieces
-
-    if given is not None:
-        return given
-    frz = Freezer.of(model)
-    if frz is None:
-        raise TypeError(
-            f"{who} needs a Freezer: compile the model with optimizer=frz.wrap(...) or pass {who}(..., freezer=frz)."
-        )
-    return frz

@@ -30,6 +30,7 @@ from keras.src.backend import set_keras_mask
 from finefreeze._backends.questions import keras_backend
 from finefreeze._backends.slices import Taken, looked_up, sliced_product, slicing
 from finefreeze._enforce.slices import MARK, KernelSlice, kernel_slice, pays
+from finefreeze._optimizer.wrapper import FreezingOptimizer
 from finefreeze._resolve.resolve import PARTIAL
 
 __all__ = ["set_sliced"]
@@ -45,6 +46,9 @@ class _Mark:
     owner: Any  # weak reference to the Freezer
     sliced: bool = True  # False: a TensorFlow table read sparsely under gradients="dense" (Keras' own gradient)
     claims: Any = ()  # the layer's claims: two live Freezers keep it dense
+    # the Freezer's gradients mode slices it, held dense or not: the layout (compact's state) follows this, so a
+    # run holding a kernel dense and one that slices it keep the same optimizer variables (checkpoints load)
+    eligible: bool = True
 
     def live(self) -> bool:
         """The Freezer that set the call lives and is the only one planning the layer."""
@@ -63,7 +67,7 @@ def _watched(mark) -> bool:
     frz = mark.owner()
     if frz is None or frz.gradients != "auto" or (mark.slice.kind == "rows" and keras_backend() == "tensorflow"):
         return False
-    return any(getattr(o, "track_gradient_norms", False) for o in frz.optimizers())
+    return any(getattr(o, "recording_norms", False) for o in frz.optimizers())
 
 
 def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None, often: bool = False) -> bool:
@@ -91,15 +95,16 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     for s in res.states:
         if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
             ks = kernel_slice(s.info.owner, s.variable, s.mask.dense())
-            on = mode == "sliced" or (mode == "auto" and ks is not None and pays(ks) and s.path not in held)
+            eligible = ks is not None and (mode == "sliced" or (mode == "auto" and pays(ks)))
+            on = eligible and not (mode == "auto" and s.path in held)
             old = marks.get(id(s.info.owner))
-            if often and on and old is not None and old.sliced and old.variable is s.variable:
+            if mode == "auto" and often and on and old is not None and old.sliced and old.variable is s.variable:
                 if old.slice.key != ks.key:  # the slice moved and will move again: the dense path from now on
                     held.add(s.path)
                     on = False
             # TensorFlow's table read by rows changes no maths: it is the dense path too
-            if ks is not None and (on or (ks.kind == "rows" and keras_backend() == "tensorflow")):
-                want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on)
+            if ks is not None and (eligible or (ks.kind == "rows" and keras_backend() == "tensorflow")):
+                want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on, eligible)
     layers = [layer for layer in target.layers if hasattr(layer, "__dict__")]
     for layer in layers:
         layer.__dict__.setdefault(CLAIMS, weakref.WeakSet()).add(owner)
@@ -112,26 +117,23 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     for layer in layers:
         mark = layer.__dict__.get(MARK)
         new = want.get(id(layer))
-        if (
-            mark is not None
-            and new is not None
-            and (mark.slice.key, mark.sliced) == (new[1].key, new[3])
-            and mark.variable is new[2]
-        ):
-            mark.owner = weakref.ref(owner)
+        same = mark is not None and new is not None and mark.variable is new[2]
+        same = same and (mark.sliced, mark.eligible) == new[3:] and (not mark.sliced or mark.slice.key == new[1].key)
+        if same:  # a kernel held dense keeps Keras' call whatever its slice: no retrace when the slice moves
+            mark.owner, mark.slice = weakref.ref(owner), new[1]
             continue
         if mark is not None:
             del layer.__dict__["call"], layer.__dict__[MARK]
             changed = True
         if new is not None:
-            _give_call(layer, new[1], new[2], owner, new[3], target.obj)
+            _give_call(layer, new[1], new[2], owner, new[3], target.obj, new[4])
             changed = True
     return changed
 
 
-def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None) -> None:
+def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None, eligible: bool = True) -> None:
     taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
-    mark = _Mark(ks, variable, weakref.ref(owner), on, layer.__dict__[CLAIMS])
+    mark = _Mark(ks, variable, weakref.ref(owner), on, layer.__dict__[CLAIMS], eligible)
     plain = type(layer).call.__get__(layer)
     tf_rows = ks.kind == "rows" and keras_backend() == "tensorflow"  # read by rows on every mode
 
@@ -154,9 +156,15 @@ def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None)
             if not sliced() or kwargs.get("reverse"):  # reverse: the table as the output projection, Keras' own
                 return plain(inputs, **kwargs)
             # a LossScaleOptimizer (mixed precision, or compiled around the wrapper) checks every gradient
-            # densely, which PyTorch's sparse one cannot be: it gets a dense one
-            scaled = isinstance(getattr(model(), "optimizer", None), keras.optimizers.LossScaleOptimizer)
-            taken.sparse_rows = not scaled and layer.dtype_policy.compute_dtype == layer.dtype_policy.variable_dtype
+            # densely, which PyTorch's sparse one cannot be: it gets a dense one; so does a custom loop under
+            # gradients="auto" (the model is not compiled with the wrapper), whose own code may not take one
+            compiled = getattr(model(), "optimizer", None)
+            loop = mark.owner() is not None and mark.owner().gradients == "auto"
+            loop = loop and not isinstance(compiled, FreezingOptimizer)
+            scaled = isinstance(compiled, keras.optimizers.LossScaleOptimizer)
+            taken.sparse_rows = (
+                not (scaled or loop) and layer.dtype_policy.compute_dtype == layer.dtype_policy.variable_dtype
+            )
             ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
             outputs = ops.cast(looked_up(layer.embeddings, ids, taken), dtype=layer.compute_dtype)
             mask = keras.layers.Embedding.compute_mask(layer, inputs) if reversible else None

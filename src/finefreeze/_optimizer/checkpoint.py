@@ -42,13 +42,14 @@ def record(opt, variables) -> dict:
         mine = {name: where[id(getattr(e, name))] for name in _SLOTS if getattr(e, name) is not None}
         if mine:
             slots[e.path] = mine
-    plan = opt.get_config()["plan"]
+    config = opt.get_config()
     return {
         "version": VERSION,
         "layout": opt.layout.to_config(),
         "slots": slots,
-        "plan": plan,
+        "plan": config["plan"],
         "step": int(to_numpy(opt.iterations)),
+        "gradients": config["gradients"],  # the kernels held dense: a resumed run computes what this one did
     }
 
 
@@ -158,7 +159,7 @@ def load(opt, store) -> bool:
     elif not opt.built:  # a custom loop loading before its first step
         opt.build(frz.trainable_variables_for_build())
     if frz is not None:
-        frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0))
+        frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0), rec.get("gradients"))
         born_as_saved(opt, rec, store)
     keys = positional_keys(store)
     if len(keys) != len(opt.variables):

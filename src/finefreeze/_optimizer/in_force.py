@@ -19,7 +19,15 @@ from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._resolve.resolve import PARTIAL, TRAINABLE
 from finefreeze._resolve.targets import var_path
 
-__all__ = ["check_at_build", "not_built_on", "plan_freezes", "trains_outside", "warn_not_in_force"]
+__all__ = [
+    "check_at_build",
+    "check_stateless",
+    "not_built_on",
+    "plan_freezes",
+    "trains_outside",
+    "warn_not_in_force",
+    "warn_unbound",
+]
 
 
 def trains_outside(opt, var_list=None) -> list[str]:
@@ -48,6 +56,13 @@ def check_at_build(opt, var_list) -> None:
     missing = trains_outside(opt, var_list)
     if missing and keras_is_jax() and opt.freezer is not None:
         raise PlanError(_message(opt, missing, "would not train"))
+    extra = [var_path(v) for v in var_list if plan_freezes(opt, v)]
+    if extra and keras_is_jax() and opt.freezer is not None:  # the trainer would pair them with nothing
+        raise PlanError(
+            _message(
+                opt, extra, "would reach Keras' JAX trainer with no optimizer variables to pair with", "it freezes"
+            )
+        )
     warn_not_in_force(opt, var_list)
 
 
@@ -57,13 +72,14 @@ def _foreign(opt, var_list) -> bool:
     return res is not None and any(res.lookup(v) is None for v in var_list)
 
 
-def _message(opt, missing, consequence: str) -> str:
+def _message(opt, missing, consequence: str, what: str = "it trains") -> str:
     frz = opt.freezer
     which = f" (plan {frz.plan.rules[0]!r}, ...)" if frz is not None and frz.plan.rules else ""
     more = ", ..." if len(missing) > 3 else ""
+    among = "are not among" if what == "it trains" else "are among"
     return (
-        f"the plan this optimizer enforces is not the one in force: {len(missing)} variable(s) it trains "
-        f"are not among the variables training hands it ({', '.join(missing[:3])}{more}), so they {consequence}. "
+        f"the plan this optimizer enforces is not the one in force: {len(missing)} variable(s) {what} "
+        f"{among} the variables training hands it ({', '.join(missing[:3])}{more}), so they {consequence}. "
         "The model's Keras flags follow another Freezer (created or activated after this optimizer's); call "
         f".activate() on this optimizer's Freezer{which} before fit."
     )
@@ -83,6 +99,52 @@ def warn_not_in_force(opt, var_list) -> None:
     opt._not_in_force_warned = True
     warnings.warn(
         _message(opt, missing, "would not train"),
+        FreezeWarning,
+        stacklevel=4,
+    )
+
+
+def check_stateless(opt, trainable_variables) -> None:
+    """Refuse a step of Keras' JAX trainer handing ``opt`` other variables than it was built on (count or shapes).
+
+    The flags were switched to another Freezer's plan after the build
+    (``activate()`` of another Freezer): Keras would raise a bare
+    ``ValueError``; this names the fix.
+
+    Raises:
+        PlanError: the plan this optimizer was built on is not the one in force.
+    """
+    if not opt.built:
+        return
+    frz = opt.freezer
+    built = opt._trainable_variables
+    if [tuple(v.shape) for v in trainable_variables] != [tuple(v.shape) for v in built]:
+        which = f" (plan {frz.plan.rules[0]!r}, ...)" if frz is not None and frz.plan.rules else ""
+        raise PlanError(
+            f"the plan this optimizer enforces is not the one in force: training hands it "
+            f"{len(trainable_variables)} variables, and it was built on {len(built)} "
+            "(the model's Keras flags follow another Freezer, activated after this optimizer was built). "
+            f"Call .activate() on this optimizer's Freezer{which} before fit."
+        )
+
+
+def warn_unbound(opt) -> None:
+    """Warn once when a loaded model trains without its Freezer while the saved run sliced its kernels.
+
+    Without ``Freezer.of(model)`` no layer computes a slice's own gradient: the
+    frozen elements stay exact, the trained ones take the dense gradient and
+    differ from the saved run's by float rounding.
+    """
+    mode = (opt.saved_gradients or {}).get("mode", "dense")
+    if opt.freezer is not None or mode == "dense" or opt._unbound_warned or opt.layout is None:
+        return
+    if not any(entry.enforced for entry in opt.layout):  # nothing partially frozen: nothing was sliced
+        return
+    opt._unbound_warned = True
+    warnings.warn(
+        f"this model was saved training with gradients={mode!r}, and trains now without its Freezer: its "
+        "kernels take the dense gradient (frozen elements stay exact; trained ones differ from the saved run "
+        "by float rounding). Call ff.Freezer.of(model) after load_model and before fit to resume as it ran.",
         FreezeWarning,
         stacklevel=4,
     )

@@ -13,18 +13,16 @@ the inner optimizer; partially frozen ones go through their enforcer's
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 
 import keras
 
-from finefreeze._backends.distribute import check_optimizer, owner_strategy
-from finefreeze._backends.questions import tensorflow
+from finefreeze._backends.distribute import check_cross_replica, check_optimizer
 from finefreeze._backends.variables import own_buffers, write_all
 from finefreeze._enforce.enforcer import Enforcers, decay_compact_like_its_variable, make_enforcers
 from finefreeze._enforce.layout import Layout, refuse_unknown
-from finefreeze._enforce.policy import inexact_reasons, refuse_nan
-from finefreeze._errors import DistributionError, FreezeWarning, PlanError
+from finefreeze._enforce.policy import refuse_nan, warn_inexact_mask
+from finefreeze._errors import PlanError
 from finefreeze._kinds import Kind
 from finefreeze._optimizer import ages, change, checkpoint, in_force, migrate, norms
 from finefreeze._optimizer.arguments import SettingsGoInside, refuse_arguments
@@ -103,11 +101,12 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self._inner_base = migrate.constructor_variables(inner_optimizer)
         self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))
         self._mask_warned = False
-        self._not_in_force_warned = False
+        self._not_in_force_warned = self._unbound_warned = False
         self._in_force_checked = None  # the variable list last checked (ids)
         self._freezer_ref = None
         self._freezer_strong = None
         self.track_gradient_norms = False
+        self.recording_norms = False  # a FreezeBoard reads the norms now: gradients="auto" keeps slices dense
         self._norms_recorded = False
 
     @property
@@ -230,13 +229,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             return
 
         check_optimizer(self, var_list, "FreezingOptimizer.build")
-        tf = tensorflow()
-        if tf is not None and owner_strategy(var_list) is not None and not tf.distribute.in_cross_replica_context():
-            raise DistributionError(
-                "FreezingOptimizer is being built inside strategy.run: build it in the strategy's "
-                "scope first (model.compile + fit do; in a custom loop call "
-                "opt.build(frz.trainable_variables) inside `with strategy.scope():`)."
-            )
+        check_cross_replica(var_list)
         in_force.check_at_build(self, var_list)
         layout = self._layout_for(var_list)
         self._warn(layout)
@@ -245,6 +238,10 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         # built on what it updates: a loaded model's optimizer is built on every variable and
         # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
         super().build([v for v in var_list if id(v) not in self._enforcers.frozen_ids])
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        in_force.check_stateless(self, trainable_variables)  # Keras' JAX trainer: the list it was built on
+        return super().stateless_apply(optimizer_variables, grads, trainable_variables)
 
     def _install(self, layout: Layout, var_list, held: dict | None, others: dict | None = None) -> None:
         """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state (a change)."""
@@ -264,17 +261,8 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
     def _warn(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
         self.refuse_nan(layout)
-        if any(e.kind == Kind.MASK for e in layout):
-            reasons = inexact_reasons(self.inner_optimizer)
-            if reasons and not self._mask_warned:
-                self._mask_warned = True
-                warnings.warn(
-                    "strategy 'mask' (gradient masking alone) is not exact with "
-                    f"{type(self.inner_optimizer).__name__}: {'; '.join(reasons)}. Frozen "
-                    "elements will drift; use strategy 'restore' or 'compact'.",
-                    FreezeWarning,
-                    stacklevel=4,
-                )
+        if not self._mask_warned:
+            self._mask_warned = warn_inexact_mask(self.inner_optimizer, layout)
 
     def refuse_nan(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN (see ``policy.refuse_nan``).
@@ -348,6 +336,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         enf = self._enforcers
+        in_force.warn_unbound(self)
         if trainable_variables is not self._trainable_variables:
             in_force.warn_not_in_force(self, trainable_variables)
         all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))

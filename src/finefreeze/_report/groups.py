@@ -14,7 +14,16 @@ import re
 
 from finefreeze._resolve.blocks import blocks, layers_under
 
-__all__ = ["batchnorm_line", "build_groups", "format_groups", "wants_detail", "MAX_ROWS", "SCREEN", "WIDTH"]
+__all__ = [
+    "batchnorm_line",
+    "build_groups",
+    "format_groups",
+    "partial_label",
+    "wants_detail",
+    "MAX_ROWS",
+    "SCREEN",
+    "WIDTH",
+]
 
 MAX_ROWS = 30
 SCREEN = 40
@@ -39,10 +48,19 @@ def _block_of_owner(model) -> dict[int, tuple[str, str]]:
     return out
 
 
+def partial_label(pct: float) -> str:
+    """``partial 42.0% frozen``; never 0.0 % or 100.0 % for a part that is neither all trained nor all frozen."""
+    shown = f"{pct:.1f}"
+    if shown == "100.0":
+        shown = ">99.9"
+    elif shown == "0.0":
+        shown = "<0.1"
+    return f"partial {shown}% frozen"
+
+
 def _state(row) -> str:
     if row["trainable_elements"] and row["frozen_elements"]:
-        pct = 100.0 * row["frozen_elements"] / (row["trainable_elements"] + row["frozen_elements"])
-        return f"partial {pct:.1f}% frozen"
+        return partial_label(100.0 * row["frozen_elements"] / (row["trainable_elements"] + row["frozen_elements"]))
     if row["trainable_elements"]:
         return "trainable"
     return "frozen" if row["frozen_elements"] else "untrained"
@@ -207,7 +225,8 @@ def format_groups(rep: dict) -> str:
     bar = "─" * min(WIDTH, sum(widths) + 2 * (len(widths) - 1))
     t = rep["totals"]
     pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
-    out = [_cut("Freeze plan: " + ", ".join(rep["plan"]), WIDTH), bar, line(head), bar, *map(line, body), bar]
+    rules = ", ".join(rep["plan"]) or "no rules (every variable as Keras trains it)"
+    out = [_cut("Freeze plan: " + rules, WIDTH), bar, line(head), bar, *map(line, body), bar]
     if rep.get("batchnorm"):
         out.insert(1, rep["batchnorm"])
     out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% of what Keras trains)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from finefreeze._enforce.policy import sparse_gradients
 from finefreeze._enforce.slices import sliced_gradient
-from finefreeze._report.groups import batchnorm_line, build_groups
+from finefreeze._report.groups import batchnorm_line, build_groups, partial_label
 from finefreeze._report.state_size import optimizer_state
 from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
 
@@ -132,8 +132,7 @@ def build_report(frz, words: dict = KERAS_WORDS) -> dict:
 
 def _fmt_state(v) -> str:
     if v["state"] == PARTIAL:
-        pct = 100.0 * v["frozen_elements"] / max(1, v["elements"] - v.get("untrained_elements", 0))
-        return f"partial {pct:.1f}% frozen"
+        return partial_label(100.0 * v["frozen_elements"] / max(1, v["elements"] - v.get("untrained_elements", 0)))
     return v["state"]
 
 
