@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze._enforce.slices import slice_eligible
 from finefreeze._errors import PlanError
 from finefreeze._kinds import STRATEGIES, State
 from finefreeze._plan.plan import Plan
@@ -89,6 +90,15 @@ class FreezerBase(abc.ABC):
     def held_dense(self) -> list[str]:
         """``gradients="auto"``: paths of kernels on the dense gradient since their slice moved often (``Reselect``)."""
         return sorted(getattr(self, "_held", ()))
+
+    def gradients_record(self) -> dict:
+        """What the optimizer saves of the gradients: ``{"mode", "held_dense", "sliced"}`` (paths the mode slices)."""
+        sliced = [
+            s.path
+            for s in self.resolution.states
+            if s.info.owner is not None and slice_eligible(s.info.owner, s.variable) is not None
+        ]
+        return {"mode": self.gradients, "held_dense": self.held_dense, "sliced": sliced}
 
     @property
     def resolution(self) -> Resolution:

@@ -56,14 +56,25 @@ def check_at_build(opt, var_list) -> None:
     missing = trains_outside(opt, var_list)
     if missing and keras_is_jax() and opt.freezer is not None:
         raise PlanError(_message(opt, missing, "would not train"))
-    extra = [var_path(v) for v in var_list if plan_freezes(opt, v)]
-    if extra and keras_is_jax() and opt.freezer is not None:  # the trainer would pair them with nothing
+    extra = [var_path(v) for v in var_list if plan_freezes(opt, v)] if keras_is_jax() and _by_fit(opt, var_list) else []
+    if extra:  # Keras' JAX trainer would pair them with optimizer variables that do not exist
         raise PlanError(
             _message(
                 opt, extra, "would reach Keras' JAX trainer with no optimizer variables to pair with", "it freezes"
             )
         )
     warn_not_in_force(opt, var_list)
+
+
+def _by_fit(opt, var_list) -> bool:
+    """Whether ``var_list`` is what ``fit`` builds on: the trainable variables of the Freezer's model.
+
+    A custom loop may hand every variable, frozen ones included (they are skipped).
+    """
+    frz = opt.freezer
+    model = getattr(getattr(frz, "target", None), "obj", None)
+    trainable = getattr(model, "trainable_variables", None) if hasattr(model, "make_train_function") else None
+    return trainable is not None and {id(v) for v in var_list} == {id(v) for v in trainable}
 
 
 def _foreign(opt, var_list) -> bool:
@@ -135,11 +146,10 @@ def warn_unbound(opt) -> None:
     frozen elements stay exact, the trained ones take the dense gradient and
     differ from the saved run's by float rounding.
     """
-    mode = (opt.saved_gradients or {}).get("mode", "dense")
-    if opt.freezer is not None or mode == "dense" or opt._unbound_warned or opt.layout is None:
-        return
-    if not any(entry.enforced for entry in opt.layout):  # nothing partially frozen: nothing was sliced
-        return
+    saved = opt.saved_gradients or {}
+    mode = saved.get("mode", "dense")
+    if opt.freezer is not None or not saved.get("sliced") or opt._unbound_warned:
+        return  # bound, or the saved run sliced nothing
     opt._unbound_warned = True
     warnings.warn(
         f"this model was saved training with gradients={mode!r}, and trains now without its Freezer: its "

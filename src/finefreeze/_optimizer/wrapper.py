@@ -88,7 +88,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         saved_layout, saved_gradients = kwargs.pop("_saved_layout", None), kwargs.pop("_gradients", None)
         refuse_arguments(FreezingOptimizer, inner_optimizer, plan, strategy, kwargs, step_count)
         super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
-        #: a loaded model's ``{"mode", "held_dense"}`` of ``Freezer(..., gradients=)``; earlier releases: None (dense)
+        #: a loaded model's ``Freezer.gradients_record()``; files of earlier releases: None (the dense gradient)
         self.saved_gradients = saved_gradients
         self.inner_optimizer = inner_optimizer
         self._plan = plan
@@ -412,7 +412,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             "strategy": self._strategy,
             "step_count": self._step_count,
             "layout": layout,
-            "gradients": self.saved_gradients if frz is None else {"mode": frz.gradients, "held_dense": frz.held_dense},
+            "gradients": self.saved_gradients if frz is None else frz.gradients_record(),
         }
 
     @classmethod
