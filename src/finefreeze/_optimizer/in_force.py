@@ -77,6 +77,11 @@ def _by_fit(opt, var_list) -> bool:
     return trainable is not None and {id(v) for v in var_list} == {id(v) for v in trainable}
 
 
+def _which(frz) -> str:
+    """`` (plan <first rule>, ...)``: which Freezer's plan an error means."""
+    return f" (plan {frz.plan.rules[0]!r}, ...)" if frz is not None and frz.plan.rules else ""
+
+
 def _foreign(opt, var_list) -> bool:
     """Whether ``var_list`` holds a variable ``opt``'s plan was not resolved against (another model's)."""
     res = opt._resolution
@@ -84,8 +89,7 @@ def _foreign(opt, var_list) -> bool:
 
 
 def _message(opt, missing, consequence: str, what: str = "it trains") -> str:
-    frz = opt.freezer
-    which = f" (plan {frz.plan.rules[0]!r}, ...)" if frz is not None and frz.plan.rules else ""
+    which = _which(opt.freezer)
     more = ", ..." if len(missing) > 3 else ""
     among = "are not among" if what == "it trains" else "are among"
     return (
@@ -130,7 +134,7 @@ def check_stateless(opt, trainable_variables) -> None:
     frz = opt.freezer
     built = opt._trainable_variables
     if [tuple(v.shape) for v in trainable_variables] != [tuple(v.shape) for v in built]:
-        which = f" (plan {frz.plan.rules[0]!r}, ...)" if frz is not None and frz.plan.rules else ""
+        which = _which(frz)
         raise PlanError(
             f"the plan this optimizer enforces is not the one in force: training hands it "
             f"{len(trainable_variables)} variables, and it was built on {len(built)} "
