@@ -226,6 +226,20 @@ MUTATIONS = [
         "cheap = sparse_gradients(s.info.owner) or sliced_gradient(s.info.owner, s.variable) is not None",
         "tests/test_slices_auto.py -k resumes_from",
     ),
+    (
+        "sampled product: each element's row paired with its own row, not its column",
+        "_backends/slices.py",
+        "b = ops.take(ops.transpose(dy), ops.convert_to_tensor(self.cols), axis=0)",
+        "b = ops.take(ops.transpose(dy), ops.convert_to_tensor(self.rows), axis=0)",
+        "tests/test_slices_sampled.py -k plain_keras",
+    ),
+    (
+        "sampled product: scattered elements never detected (the dense path)",
+        "_enforce/slices.py",
+        "if n == 0 or n > at_most * frozen.size:",
+        "if True:",
+        "tests/test_slices_sampled.py -k never_computed",
+    ),
 ]
 
 

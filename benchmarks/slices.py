@@ -15,6 +15,10 @@ warmed up first, then timed in interleaved rounds (A B C ..., A B C ...):
 - ``cols 10 % dense``: the same plan with ``gradients="dense"`` (the whole
   weight gradient, then the strategy keeps the frozen part);
 - ``elements 10 %``: 10 % of each such kernel's elements at random (no slice);
+- ``elements 0.1 %``, ``0.3 %``, ``1 %`` (``gradients="sliced"``: the sampled
+  product, the weight gradient at those elements only) and ``elements 0.1 %
+  dense``, ``0.3 % dense``, ``1 % dense`` (the whole weight gradient): where the
+  sampled product stops paying (``gradients="auto"`` samples what these say pays);
 - ``cols 10 % list`` (every tenth column, an index list), ``cols 25 %``,
   ``cols 50 %``, ``cols 50 % list`` (every other column) and
   ``cols 50 % dense``: where slicing stops paying
@@ -39,6 +43,7 @@ to the largest).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -58,6 +63,20 @@ def interleaved(variants: dict, x, y, rounds: int, steps: int) -> dict:
                 m.train_on_batch(x, y)
             times[name].append((time.perf_counter() - t0) / steps)
     return times
+
+
+@contextlib.contextmanager
+def sampling(on: bool):
+    """Inside, ``gradients="sliced"`` gives scattered elements the sampled product even where a block costs less."""
+    from finefreeze._enforce import slices
+
+    saved = dict(slices.AUTO_SAMPLES)
+    if on:
+        slices.AUTO_SAMPLES.update(dict.fromkeys(saved, 1e9))
+    try:
+        yield
+    finally:
+        slices.AUTO_SAMPLES.update(saved)
 
 
 def one_gradient(model, x, y, loss):
@@ -128,9 +147,14 @@ def main():
     def sliced(index):
         return ff.Plan([ff.freeze("**/kernel"), *(ff.train(f"**/{n}/kernel{index}") for n in hidden)])
 
-    elements = ff.Plan(
-        [ff.freeze("**/kernel")] + [ff.train(f"**/{n}/kernel", mask=rng.random((w, w)) < 0.10) for n in hidden]
-    )
+    def scattered(fraction):
+        masks = [np.zeros(w * w, bool) for _ in hidden]
+        for mask in masks:
+            mask[rng.choice(w * w, max(1, int(fraction * w * w)), replace=False)] = True
+        rules = [ff.train(f"**/{n}/kernel", mask=mask.reshape(w, w)) for n, mask in zip(hidden, masks)]
+        return ff.Plan([ff.freeze("**/kernel"), *rules])
+
+    elements = scattered(0.10)
     plans = {
         "full": None,
         "floor": (ff.Plan([ff.freeze("**/kernel")]), "dense"),
@@ -146,6 +170,10 @@ def main():
         "cols 50 % dense": (sliced(f"[:, :{w // 2}]"), "dense"),
         "elements 10 %": (elements, "sliced"),
     }
+    for pct in (0.1, 0.3, 1):
+        few = scattered(pct / 100)
+        plans[f"elements {pct} %"] = (few, "sampled")  # the sampled product, whatever a block would cost
+        plans[f"elements {pct} % dense"] = (few, "dense")
     only = {s.strip() for s in a.only.split(",") if s.strip()}
     plans = {k: v for k, v in plans.items() if k in ("full", "floor") or not only or k in only}
     variants, info = {}, {}
@@ -155,7 +183,9 @@ def main():
         if spec is None:
             frz, opt = None, keras.optimizers.Adam(1e-3)
         else:
-            frz = ff.Freezer(m, spec[0], gradients=spec[1], strategy=spec[2] if len(spec) > 2 else "auto")
+            with sampling(spec[1] == "sampled"):
+                g = "sliced" if spec[1] == "sampled" else spec[1]
+                frz = ff.Freezer(m, spec[0], gradients=g, strategy=spec[2] if len(spec) > 2 else "auto")
             opt = frz.wrap(keras.optimizers.Adam(1e-3))
         m.compile(optimizer=opt, loss=loss)
         m.train_on_batch(x, y)  # builds, traces, warms up
@@ -182,8 +212,8 @@ def main():
     )
     if gap is not None:
         print(f"Trained elements' gradient of one batch, cols 10 % against the dense path: {gap:.1e} of its largest.\n")
-    print("| variant | excess | step / full | optimizer state / plain Adam's | frozen |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| variant | excess | step / full | optimizer state / plain Adam's | frozen | gradient |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for name, ts in times.items():
         frz, opt, before = info[name]
         excess = [(t - f) / (u - f) for t, f, u in zip(ts, times["floor"], times["full"])]
@@ -199,9 +229,10 @@ def main():
         ex = "—"
         if name not in ("full", "floor"):
             ex = f"{statistics.median(excess):.2f} ({min(excess):.2f}–{max(excess):.2f})"
+        kinds = "—" if frz is None else "/".join(sorted({v["gradient"] for v in frz.report()["variables"]} - {None}))
         print(
             f"| {name} | {ex} | {statistics.median(step):.2f} ({min(step):.2f}–{max(step):.2f}) | "
-            f"{100 * state / full_state:.1f} % | {kept} |"
+            f"{100 * state / full_state:.1f} % | {kept} | {kinds} |"
         )
 
 

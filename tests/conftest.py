@@ -38,6 +38,7 @@ BACKEND_NEUTRAL = {
     "test_slices.py",
     "test_slices_rows.py",
     "test_slices_auto.py",
+    "test_slices_sampled.py",
     "test_select_backends.py",
     "test_summary.py",
     "test_training.py",

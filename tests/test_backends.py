@@ -83,6 +83,7 @@ SLICES = [
     "tests/test_slices.py",
     "tests/test_slices_rows.py",
     "tests/test_slices_auto.py",
+    "tests/test_slices_sampled.py",
     "tests/test_board_backends.py",
     "tests/test_select_backends.py",
 ]

@@ -1,6 +1,7 @@
 """Files written by finefreeze 0.x (``tests/data/release-0.x/``, made by its ``make_files.py``) keep working.
 
-The model file resumes training bit-identically to the run that wrote it,
+The model file resumes training as the run that wrote it did (frozen elements
+bit for bit, trained ones within the rounding of another CPU),
 ``Freezer.of`` rebuilds a Freezer that verifies, the delta applies to its
 base, the plan files load, and FreezeBoard writes the same tags and summary
 as the log of that release.
@@ -46,12 +47,18 @@ def test_the_files_are_those_of_the_previous_release():
     assert {e["strategy"] for e in opt["config"]["layout"]["variables"]} == {"frozen", "restore", "compact", "train"}
 
 
-def test_a_saved_model_resumes_training_bit_identically():
+#: trained values against the file's continuation, relative to the largest: that run was made on another CPU,
+#: whose float kernels may round the last bit of a sum differently (measured: 2.2e-7 on an AVX-512 machine)
+ROUNDING = 1e-6
+
+
+def test_a_saved_model_resumes_training_with_its_frozen_elements_bit_identical():
     model = keras.models.load_model(HERE / "mid_training.keras")
     frz = ff.Freezer.of(model)
     assert frz is not None
     frz.verify()
     assert frz.strategy_for("head/kernel") == "compact" and frz.strategy_for("mid/kernel") == "restore"
+    saved = {v.path: np.array(v.numpy(), copy=True) for v in model.weights}
     data = np.load(HERE / "data.npz")
     model.fit(data["x"], data["y"], batch_size=32, epochs=2, shuffle=False, verbose=0)
     frz.verify()
@@ -59,7 +66,17 @@ def test_a_saved_model_resumes_training_bit_identically():
     got = _maker().state(model)
     assert sorted(got) == sorted(expected)
     for key, value in expected.items():
-        assert _same(got[key], value), key
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        if key.startswith("weight:"):
+            frozen = frz.frozen_mask(key.split(":", 2)[2])
+            assert _same(got[key][frozen], value[frozen]) and _same(
+                got[key][frozen], saved[key.split(":", 2)[2]][frozen]
+            )
+        if value.dtype.kind in "iu" or not np.any(value):
+            assert _same(got[key], value), key  # counters and never-trained slots: the same bytes
+        else:
+            gap = float(np.abs(got[key].astype(np.float64) - value).max() / np.abs(value).max())
+            assert gap <= ROUNDING, (key, gap)
 
 
 def test_the_delta_applies_to_its_base_and_the_plan_files_load(tmp_path):

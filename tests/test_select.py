@@ -335,7 +335,9 @@ def test_scores_stream_one_accumulator_per_element_whatever_the_number_of_batche
     res = {int(k): v for k, v in json.loads(got.stdout.strip().splitlines()[-1]).items()}
     for r in res.values():
         assert r["left"] < 0.05  # the accumulators are released
-        assert r["numpy"] < 2  # the scores handed over one variable at a time, masks: 1 byte per element
+        # the scores handed over one variable at a time, masks: 1 byte per element; a sampled kernel's trained
+        # elements: their row and column (8 bytes each, 1 % of the elements: 0.02 copies)
+        assert r["numpy"] < 2 + 0.02
         assert r["rules"] > 1
     # one accumulator, plus a microbatch of 4 per-example gradients at a time: never a batch of 32 of them,
     # and nothing that grows with the number of batches (12 batches kept would be 12 copies)

@@ -23,6 +23,11 @@ How each backend takes it apart:
   block's forward is never computed: nothing reads it);
 - the block is put into a kernel-shaped zero gradient with ``keras.ops``.
 
+A ``Dense`` kernel's scattered trained elements (no block holds them) are
+*sampled* (:class:`Sampled`): their gradient is ``sum(x[:, i] * dy[:, j])``
+over the batch for each trained ``(i, j)``, two gathers and a sum instead of
+the whole product, put into a kernel-shaped zero gradient.
+
 An ``Embedding``'s table is looked up (:func:`looked_up`), not multiplied.
 On JAX and PyTorch the gradient of its trained rows is the batch's ``dy``
 summed per id (``segment_sum``) over those rows only; TensorFlow's own
@@ -45,7 +50,7 @@ from keras import ops
 
 from finefreeze._backends.questions import keras_backend
 
-__all__ = ["Taken", "full_gradients", "looked_up", "lookup", "sliced_product", "slicing"]
+__all__ = ["Sampled", "Taken", "full_gradients", "looked_up", "lookup", "sliced_product", "slicing"]
 
 _full = [0]  # inside full_gradients(): every layer computes its whole weight gradient
 
@@ -192,6 +197,53 @@ class Taken:
                 padded = ops.concatenate([block, ops.zeros(zero_shape, block.dtype)], axis=axis)
                 block = ops.take(padded, place, axis=axis)
         return block
+
+
+class Sampled:
+    """Scattered trained elements of a ``Dense`` kernel: the weight gradient at them only (a sampled product).
+
+    Args:
+        shape: the kernel's shape ``(n_in, n_out)``.
+        rows: the row ``i`` of each trained element.
+        cols: its column ``j``.
+    """
+
+    def __init__(self, shape, rows, cols):
+        self.shape = tuple(int(d) for d in shape)
+        self.rows = np.asarray(rows, dtype=np.int32)
+        self.cols = np.asarray(cols, dtype=np.int32)
+        self.pairs = np.stack([self.rows, self.cols], axis=1)
+
+    def gradient_of(self, op: Callable) -> Callable:
+        """``(x, dy, kernel) -> the kernel-shaped gradient at the trained elements`` (``op`` is the layer's matmul)."""
+        grads = self.__dict__.setdefault("_grads", {})
+        if op not in grads:
+            grads[op] = self.weight_gradient
+        return grads[op]
+
+    def weight_gradient(self, x, dy, k):
+        n_in, n_out = self.shape
+        x, dy = ops.reshape(x, (-1, n_in)), ops.reshape(dy, (-1, n_out))
+        wide = "float32" if str(k.dtype).split(".")[-1] in ("float16", "bfloat16") else k.dtype  # sums as matmul's
+        if keras_backend() == "torch":  # Keras' take and scatter copy and check: PyTorch's own, on flat indices
+            import torch
+
+            if "_flat" not in self.__dict__:
+                self._flat = [torch.as_tensor(a.astype(np.int64)) for a in (self.rows, self.cols, self._flat_index())]
+            rows, cols, flat = (a.to(x.device) for a in self._flat)
+            wide = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
+            a, b = x.index_select(1, rows).to(wide), dy.index_select(1, cols).to(wide)
+            out = torch.zeros(n_in * n_out, dtype=k.dtype, device=x.device)
+            out[flat] = (a * b).sum(0).to(k.dtype)
+            return out.view(n_in, n_out)
+        # gathered as rows of the transposed arrays: one contiguous copy per element, not a strided one
+        a = ops.take(ops.transpose(x), ops.convert_to_tensor(self.rows), axis=0)
+        b = ops.take(ops.transpose(dy), ops.convert_to_tensor(self.cols), axis=0)
+        values = ops.cast(ops.sum(ops.cast(a, wide) * ops.cast(b, wide), axis=1), k.dtype)
+        return ops.scatter(ops.convert_to_tensor(self.pairs), values, self.shape)
+
+    def _flat_index(self):
+        return self.rows.astype(np.int64) * self.shape[1] + self.cols
 
 
 def wrapped(ids, rows: int):

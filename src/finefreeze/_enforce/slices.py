@@ -15,6 +15,12 @@ plan ``select`` made all give blocks; trained elements scattered over every
 row and column give none (the whole kernel). Elements of the block that are
 frozen get a gradient as before, and their strategy keeps them frozen.
 
+A ``Dense`` kernel whose few trained elements lie in no small block
+(scattered, as a ``select`` at a small budget picks them) can get the
+*sampled product* instead (:func:`kernel_sample`): the gradient at those
+elements only, ``sum(x[:, i] * dy[:, j])`` per trained ``(i, j)``, which
+pays below a few tenths of a percent of a kernel (:data:`AUTO_SAMPLES`).
+
 Only layers whose ``call`` is Keras' own are sliced (a subclass with a call
 of its own keeps the dense path), without LoRA or quantization, and
 convolutions with ``groups=1``.
@@ -38,11 +44,15 @@ import numpy as np
 
 __all__ = [
     "AUTO_PAYS",
+    "AUTO_SAMPLES",
     "MARK",
+    "SAMPLE_AT_MOST",
     "SLICE_AT_MOST",
     "KernelSlice",
     "einsum_axes",
     "exact_block",
+    "choose",
+    "kernel_sample",
     "kernel_slice",
     "pays",
     "slice_eligible",
@@ -66,6 +76,21 @@ AUTO_PAYS = {
     "torch": (0.5, 0.25, 1 << 16),
 }
 
+#: ``gradients="sliced"``: the largest fraction of a ``Dense`` kernel whose scattered trained elements get the
+#: sampled product (at 1 % it already lost to the whole product on JAX and PyTorch)
+SAMPLE_AT_MOST = 0.01
+
+#: ``gradients="auto"``, per backend: the largest fraction of a ``Dense`` kernel (of at least the elements
+#: :data:`AUTO_PAYS` names) whose scattered trained elements get the sampled product, about where it stops
+#: paying. Measured with ``benchmarks/slices.py --only "elements 0.1 %,elements 0.1 % dense,elements 0.3 %,..."``
+#: (docs/benchmarks.md, *Scattered elements*): it paid at 0.1 % on every backend, at 0.3 % on TensorFlow and
+#: PyTorch, and at 1 % on none but (barely) TensorFlow.
+AUTO_SAMPLES = {
+    "tensorflow": 0.005,
+    "jax": 0.001,
+    "torch": 0.005,
+}
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class KernelSlice:
@@ -74,9 +99,11 @@ class KernelSlice:
     ``index[i]``: the block's sorted indices along kernel axis ``i`` (None: the
     whole axis); ``x_axis[i]`` / ``y_axis[i]``: the axis of the layer's input /
     output that kernel axis ``i`` is contracted with / becomes (None: neither).
+    A ``"sampled"`` one lists elements, not a block: ``index`` is the row and
+    the column of each trained element, in flat order.
     """
 
-    kind: str  # "dense" | "einsum" | "conv" | "rows" (an embedding's rows)
+    kind: str  # "dense" | "einsum" | "conv" | "rows" (an embedding's rows) | "sampled" (a Dense kernel's elements)
     shape: tuple[int, ...]
     index: tuple[np.ndarray | None, ...]
     x_axis: tuple[int | None, ...]
@@ -84,6 +111,8 @@ class KernelSlice:
 
     @property
     def size(self) -> int:
+        if self.kind == "sampled":
+            return len(self.index[0])
         return int(np.prod([n if i is None else len(i) for n, i in zip(self.shape, self.index)], dtype=np.int64))
 
     @property
@@ -178,12 +207,61 @@ def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
     return s if 0 < s.fraction <= SLICE_AT_MOST else None
 
 
+def kernel_sample(layer, variable, frozen: np.ndarray, at_most: float = SAMPLE_AT_MOST) -> KernelSlice | None:
+    """The trained elements of a ``Dense`` kernel, for the sampled product, when they are at most ``at_most`` of it.
+
+    Args:
+        layer: the variable's owner.
+        variable: the kernel.
+        frozen: its frozen-element mask (True = frozen).
+        at_most: the largest trained fraction sampled.
+
+    Returns:
+        A ``"sampled"`` :class:`KernelSlice` (the row and column of every
+        trained element), or None: not a ``Dense`` kernel finefreeze slices,
+        nothing trained, or more than ``at_most``.
+    """
+    geometry = _geometry(layer, variable)
+    if geometry is None or geometry[0] != "dense":
+        return None
+    frozen = np.asarray(frozen, dtype=bool)
+    n = frozen.size - int(np.count_nonzero(frozen))  # no copy of the mask: most kernels are not sampled
+    if n == 0 or n > at_most * frozen.size:
+        return None
+    rows, cols = (a.astype(np.int32) for a in np.nonzero(~frozen))
+    return KernelSlice("sampled", tuple(int(d) for d in variable.shape), (rows, cols), *geometry[1:])
+
+
+def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None = None):
+    """``(slice, eligible)``: what the Freezer's gradients ``mode`` computes for a partially frozen kernel.
+
+    A block :func:`kernel_slice` finds, or for a ``Dense`` kernel the sampled
+    product of its elements (:func:`kernel_sample`), whichever costs less:
+    the block costs about its fraction of the whole product, the sampled
+    product about its fraction over the backend's crossover
+    (:data:`AUTO_SAMPLES`: where it costs the whole product). ``eligible`` is
+    False for ``"dense"`` and for what ``"auto"`` finds does not pay (the
+    block is then still returned: TensorFlow reads an embedding's table by
+    rows on every mode).
+    """
+    ks = kernel_slice(layer, variable, frozen)
+    if mode == "dense":
+        return ks, False
+    block = ks if ks is not None and (mode == "sliced" or pays(ks, backend)) else None
+    sample = kernel_sample(layer, variable, frozen)
+    if sample is not None and (mode == "sliced" or pays(sample, backend)):
+        crossover = AUTO_SAMPLES.get(backend or keras.backend.backend()) or SAMPLE_AT_MOST
+        if block is None or sample.fraction / crossover < block.fraction:
+            return sample, True
+    return (block, True) if block is not None else (ks, False)
+
+
 def pays(s: KernelSlice, backend: str | None = None) -> bool:
     """Whether ``gradients="auto"`` gives ``s`` its own weight gradient: where ``benchmarks/`` measured it cheaper.
 
     An embedding's rows always (``benchmarks/cost.py``: the dense path makes
     the table's gradient); a kernel's block by :data:`AUTO_PAYS` of the backend
-    (``benchmarks/slices.py``).
+    (``benchmarks/slices.py``); a sampled kernel's elements by :data:`AUTO_SAMPLES`.
 
     Args:
         s: the block.
@@ -195,8 +273,11 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
     if measured is None:  # a backend never measured (numpy takes no gradients): the dense path
         return False
     ranges, lists, elements = measured
+    big = int(np.prod(s.shape, dtype=np.int64)) >= elements
+    if s.kind == "sampled":
+        return s.fraction <= AUTO_SAMPLES[backend or keras.backend.backend()] and big
     contiguous = all(i is None or len(i) == 0 or int(i[-1]) - int(i[0]) + 1 == len(i) for i in s.index)
-    return s.fraction <= (ranges if contiguous else lists) and int(np.prod(s.shape, dtype=np.int64)) >= elements
+    return s.fraction <= (ranges if contiguous else lists) and big
 
 
 def slice_eligible(owner, variable) -> KernelSlice | None:

@@ -173,9 +173,10 @@ class FreezerBase(abc.ABC):
         Each entry of ``report()["variables"]`` names the variable's
         ``state``, its ``strategy`` (partially frozen ones) and its
         ``gradient``: ``"sliced"`` (the weight gradient of its trained slice
-        only, ``gradients="sliced"``), ``"sparse"`` (TensorFlow embeddings:
-        the batch's rows) or ``"dense"``; None for frozen variables. The
-        summary tags sliced variables ``[compact, sliced]``.
+        only), ``"sampled"`` (of its scattered trained elements only),
+        ``"sparse"`` (TensorFlow embeddings: the batch's rows) or
+        ``"dense"``; None for frozen variables. The summary tags such
+        variables ``[compact, sliced]`` or ``[compact, sampled]``.
 
         Returns:
             The report: ``variables``, ``layers``, ``totals`` and the plan's facts.

@@ -28,8 +28,8 @@ from keras import ops
 from keras.src.backend import set_keras_mask
 
 from finefreeze._backends.questions import keras_backend
-from finefreeze._backends.slices import Taken, looked_up, sliced_product, slicing
-from finefreeze._enforce.slices import MARK, KernelSlice, kernel_slice, pays
+from finefreeze._backends.slices import Sampled, Taken, looked_up, sliced_product, slicing
+from finefreeze._enforce.slices import MARK, KernelSlice, choose
 from finefreeze._optimizer.wrapper import FreezingOptimizer
 from finefreeze._resolve.resolve import PARTIAL
 
@@ -80,8 +80,9 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
         mode: the Freezer's ``gradients``. ``"dense"``: no layer is sliced (on
             TensorFlow a partially frozen ``Embedding`` still reads its table
             by rows, which changes no maths: the gradient is Keras' own);
-            ``"sliced"``: every slice :func:`kernel_slice` finds; ``"auto"``: those
-            :func:`~finefreeze._enforce.slices.pays` says pay, but not the paths in ``held``.
+            ``"sliced"``: every slice (or sampled kernel) :func:`~finefreeze._enforce.slices.choose`
+            finds; ``"auto"``: those :func:`~finefreeze._enforce.slices.pays` says pay, but not the
+            paths in ``held``.
         held: ``"auto"``: paths kept dense.
         often: the plan changes again soon (``Reselect``): under ``"auto"`` a
             sliced kernel whose slice moves joins ``held`` (the dense path
@@ -94,8 +95,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     want = {}
     for s in res.states:
         if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
-            ks = kernel_slice(s.info.owner, s.variable, s.mask.dense())
-            eligible = ks is not None and (mode == "sliced" or (mode == "auto" and pays(ks)))
+            ks, eligible = choose(s.info.owner, s.variable, s.mask.dense(), mode)
             on = eligible and not (mode == "auto" and s.path in held)
             old = marks.get(id(s.info.owner))
             if mode == "auto" and often and on and old is not None and old.sliced and old.variable is s.variable:
@@ -132,7 +132,10 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
 
 
 def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None, eligible: bool = True) -> None:
-    taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
+    if ks.kind == "sampled":
+        taken = Sampled(ks.shape, *ks.index)
+    else:
+        taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
     mark = _Mark(ks, variable, weakref.ref(owner), on, layer.__dict__[CLAIMS], eligible)
     plain = type(layer).call.__get__(layer)
     tf_rows = ks.kind == "rows" and keras_backend() == "tensorflow"  # read by rows on every mode
@@ -140,7 +143,7 @@ def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None,
     def sliced() -> bool:
         return slicing() and (mark.live() if tf_rows else mark.now())
 
-    if ks.kind == "dense":
+    if ks.kind in ("dense", "sampled"):
 
         def call(inputs, training=None):
             if not sliced():

@@ -25,11 +25,16 @@ def _decider(plan, idx: int, words: dict) -> str:
     return words["untouched"] if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
 
 
+_OWN = ("sliced", "sampled")  # gradients the summary tags
+
+
 def _gradient(s) -> str:
-    """How the variable's gradient is computed: ``sliced`` (its trained block only), ``sparse`` or ``dense``."""
+    """How the variable's gradient is computed: ``sliced`` (its trained block only), ``sampled`` (its trained
+    elements only), ``sparse`` or ``dense``."""
     if sparse_gradients(s.info.owner):  # TensorFlow embeddings: the batch's rows (IndexedSlices)
         return "sparse"
-    return "sliced" if s.state == PARTIAL and sliced_gradient(s.info.owner, s.variable) is not None else "dense"
+    ks = sliced_gradient(s.info.owner, s.variable) if s.state == PARTIAL else None
+    return "dense" if ks is None else "sampled" if ks.kind == "sampled" else "sliced"
 
 
 def build_report(frz, words: dict = KERAS_WORDS) -> dict:
@@ -207,7 +212,7 @@ def format_summary(rep: dict, *, variables: bool = True, words: dict = KERAS_WOR
         if variables:
             for v in own:
                 name = "  " + _shorten(v["path"].rsplit("/", 1)[-1], _NAME_WIDTH - 2, middle=True)
-                tag = ", ".join(t for t in (v["strategy"], "sliced" if v["gradient"] == "sliced" else None) if t)
+                tag = ", ".join(t for t in (v["strategy"], v["gradient"] if v["gradient"] in _OWN else None) if t)
                 state = _fmt_state(v) + (f" [{tag}]" if tag else "")
                 deciders = _rule_numbers(v["decided_by"])
                 rows.append(
