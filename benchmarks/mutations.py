@@ -229,14 +229,14 @@ MUTATIONS = [
     (
         "sampled product: each element's row paired with its own row, not its column",
         "_backends/slices.py",
-        "b = ops.take(ops.transpose(dy), ops.convert_to_tensor(self.cols), axis=0)",
-        "b = ops.take(ops.transpose(dy), ops.convert_to_tensor(self.rows), axis=0)",
+        "b = ops.cast(ops.take(ops.transpose(dy), ops.convert_to_tensor(self.cols), axis=0), wide)",
+        "b = ops.cast(ops.take(ops.transpose(dy), ops.convert_to_tensor(self.rows), axis=0), wide)",
         "tests/test_slices_sampled.py -k plain_keras",
     ),
     (
         "sampled product: scattered elements never detected (the dense path)",
         "_enforce/slices.py",
-        "if n == 0 or n > at_most * frozen.size:",
+        "if n == 0 or n > SAMPLE_AT_MOST * frozen.size:",
         "if True:",
         "tests/test_slices_sampled.py -k never_computed",
     ),

@@ -72,17 +72,21 @@ def close(a, ref, what):
     assert float(np.abs(a - ref).max()) <= BOUND * scale, (what, float(np.abs(a - ref).max()) / scale)
 
 
-def fit(p, gradients="sliced", epochs=2, seed=3, **compile_kw):
-    m = model(seed)
+def trained(m, p, x, y, gradients="sliced", epochs=2, **compile_kw):
+    """``(model, freezer, values before)``: ``m`` fitted under ``p`` with Adam, its frozen elements the same bytes."""
     frz = ff.Freezer(m, p, gradients=gradients)
     before = {v.path: numpy(v) for v in m.weights}
     m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse", **compile_kw)
-    m.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    m.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     frz.verify()
     for v in m.weights:  # frozen elements: the same bytes
         frozen = frz.frozen_mask(v.path)
         assert np.array_equal(numpy(v)[frozen], before[v.path][frozen]), v.path
     return m, frz, before
+
+
+def fit(p, gradients="sliced", epochs=2, seed=3, **compile_kw):
+    return trained(model(seed), p, X, Y, gradients, epochs, **compile_kw)
 
 
 #: every way fit runs for one slice kind, the default one for the other

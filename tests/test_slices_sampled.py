@@ -16,7 +16,7 @@ import pytest
 import finefreeze as ff
 from backend_utils import BACKEND, FIT_MODES, gradients
 from finefreeze._enforce.slices import AUTO_SAMPLES, MARK, choose, kernel_sample, kernel_slice, pays
-from test_slices import _product_sizes
+from test_slices import _product_sizes, trained
 
 #: the largest difference of a trained value from the references, relative to the variable's largest value
 BOUND = 2e-5
@@ -53,16 +53,7 @@ def gradient_kind(frz, path):
 
 
 def fit(p, gradients="sliced", epochs=2, **compile_kw):
-    m = model()
-    frz = ff.Freezer(m, p, gradients=gradients)
-    before = {v.path: numpy(v) for v in m.weights}
-    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse", **compile_kw)
-    m.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
-    frz.verify()
-    for v in m.weights:  # frozen elements: the same bytes
-        frozen = frz.frozen_mask(v.path)
-        assert np.array_equal(numpy(v)[frozen], before[v.path][frozen]), v.path
-    return m, frz, before
+    return trained(model(), p, X, Y, gradients, epochs, **compile_kw)
 
 
 def test_scattered_elements_are_sampled_and_a_block_that_costs_less_is_sliced():
@@ -188,3 +179,17 @@ def test_mixed_precision_sampled_elements_round_no_worse_than_the_dense_path():
         scale = max(float(np.abs(numpy(e)).max()), 1e-30)
         sampled, dense = (float(np.abs(numpy(a) - numpy(e)).max()) / scale for a in (v, r))
         assert sampled <= 2 * dense + 1e-6, (v.path, sampled, dense)
+
+
+def test_half_precision_inputs_are_summed_in_float32_as_a_matmul_sums_them():
+    """Over 4,096 rows a float16 running sum would drift by far more than the one rounding of its result."""
+    from finefreeze._backends.slices import Sampled
+
+    rows, cols = np.nonzero(SCATTERED)
+    x = RNG.normal(size=(4096, N)).astype("float16")
+    dy = RNG.normal(size=(4096, N)).astype("float16")
+    k = keras.ops.convert_to_tensor(np.zeros((N, N), "float16"))
+    got = numpy(Sampled((N, N), rows, cols).weight_gradient(*map(keras.ops.convert_to_tensor, (x, dy)), k))
+    exact = (x.astype(np.float64).T @ dy.astype(np.float64))[rows, cols]
+    assert got.dtype == np.float16 and not np.any(got[~SCATTERED])
+    assert float(np.abs(got[rows, cols] - exact).max()) <= 2**-10 * float(np.abs(exact).max())

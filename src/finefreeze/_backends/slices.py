@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -212,38 +213,33 @@ class Sampled:
         self.shape = tuple(int(d) for d in shape)
         self.rows = np.asarray(rows, dtype=np.int32)
         self.cols = np.asarray(cols, dtype=np.int32)
-        self.pairs = np.stack([self.rows, self.cols], axis=1)
+        self._gradient = self.weight_gradient  # one function for every call (compilers guard on it)
 
     def gradient_of(self, op: Callable) -> Callable:
         """``(x, dy, kernel) -> the kernel-shaped gradient at the trained elements`` (``op`` is the layer's matmul)."""
-        grads = self.__dict__.setdefault("_grads", {})
-        if op not in grads:
-            grads[op] = self.weight_gradient
-        return grads[op]
+        return self._gradient
 
     def weight_gradient(self, x, dy, k):
         n_in, n_out = self.shape
         x, dy = ops.reshape(x, (-1, n_in)), ops.reshape(dy, (-1, n_out))
-        wide = "float32" if str(k.dtype).split(".")[-1] in ("float16", "bfloat16") else k.dtype  # sums as matmul's
+        dtype = keras.backend.standardize_dtype(k.dtype)
+        wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
         if keras_backend() == "torch":  # Keras' take and scatter copy and check: PyTorch's own, on flat indices
             import torch
 
             if "_flat" not in self.__dict__:
-                self._flat = [torch.as_tensor(a.astype(np.int64)) for a in (self.rows, self.cols, self._flat_index())]
+                flat = self.rows.astype(np.int64) * n_out + self.cols
+                self._flat = [torch.as_tensor(a.astype(np.int64)) for a in (self.rows, self.cols, flat)]
             rows, cols, flat = (a.to(x.device) for a in self._flat)
-            wide = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
-            a, b = x.index_select(1, rows).to(wide), dy.index_select(1, cols).to(wide)
+            a, b = (t.index_select(1, i).to(getattr(torch, wide)) for t, i in ((x, rows), (dy, cols)))
             out = torch.zeros(n_in * n_out, dtype=k.dtype, device=x.device)
             out[flat] = (a * b).sum(0).to(k.dtype)
             return out.view(n_in, n_out)
         # gathered as rows of the transposed arrays: one contiguous copy per element, not a strided one
-        a = ops.take(ops.transpose(x), ops.convert_to_tensor(self.rows), axis=0)
-        b = ops.take(ops.transpose(dy), ops.convert_to_tensor(self.cols), axis=0)
-        values = ops.cast(ops.sum(ops.cast(a, wide) * ops.cast(b, wide), axis=1), k.dtype)
-        return ops.scatter(ops.convert_to_tensor(self.pairs), values, self.shape)
-
-    def _flat_index(self):
-        return self.rows.astype(np.int64) * self.shape[1] + self.cols
+        a = ops.cast(ops.take(ops.transpose(x), ops.convert_to_tensor(self.rows), axis=0), wide)
+        b = ops.cast(ops.take(ops.transpose(dy), ops.convert_to_tensor(self.cols), axis=0), wide)
+        values = ops.cast(ops.sum(a * b, axis=1), dtype)
+        return ops.scatter(ops.convert_to_tensor(np.stack([self.rows, self.cols], axis=1)), values, self.shape)
 
 
 def wrapped(ids, rows: int):

@@ -207,26 +207,25 @@ def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
     return s if 0 < s.fraction <= SLICE_AT_MOST else None
 
 
-def kernel_sample(layer, variable, frozen: np.ndarray, at_most: float = SAMPLE_AT_MOST) -> KernelSlice | None:
-    """The trained elements of a ``Dense`` kernel, for the sampled product, when they are at most ``at_most`` of it.
+def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
+    """The trained elements of a ``Dense`` kernel, for the sampled product, at most :data:`SAMPLE_AT_MOST` of it.
 
     Args:
         layer: the variable's owner.
         variable: the kernel.
         frozen: its frozen-element mask (True = frozen).
-        at_most: the largest trained fraction sampled.
 
     Returns:
         A ``"sampled"`` :class:`KernelSlice` (the row and column of every
         trained element), or None: not a ``Dense`` kernel finefreeze slices,
-        nothing trained, or more than ``at_most``.
+        nothing trained, or more than :data:`SAMPLE_AT_MOST`.
     """
     geometry = _geometry(layer, variable)
     if geometry is None or geometry[0] != "dense":
         return None
     frozen = np.asarray(frozen, dtype=bool)
     n = frozen.size - int(np.count_nonzero(frozen))  # no copy of the mask: most kernels are not sampled
-    if n == 0 or n > at_most * frozen.size:
+    if n == 0 or n > SAMPLE_AT_MOST * frozen.size:
         return None
     rows, cols = (a.astype(np.int32) for a in np.nonzero(~frozen))
     return KernelSlice("sampled", tuple(int(d) for d in variable.shape), (rows, cols), *geometry[1:])
@@ -250,7 +249,7 @@ def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None =
     block = ks if ks is not None and (mode == "sliced" or pays(ks, backend)) else None
     sample = kernel_sample(layer, variable, frozen)
     if sample is not None and (mode == "sliced" or pays(sample, backend)):
-        crossover = AUTO_SAMPLES.get(backend or keras.backend.backend()) or SAMPLE_AT_MOST
+        crossover = AUTO_SAMPLES.get(backend or keras.backend.backend()) or SAMPLE_AT_MOST  # unmeasured: "sliced"'s
         if block is None or sample.fraction / crossover < block.fraction:
             return sample, True
     return (block, True) if block is not None else (ks, False)
@@ -269,13 +268,14 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
     """
     if s.kind == "rows":
         return True
-    measured = AUTO_PAYS.get(backend or keras.backend.backend())
+    backend = backend or keras.backend.backend()
+    measured = AUTO_PAYS.get(backend)
     if measured is None:  # a backend never measured (numpy takes no gradients): the dense path
         return False
     ranges, lists, elements = measured
     big = int(np.prod(s.shape, dtype=np.int64)) >= elements
     if s.kind == "sampled":
-        return s.fraction <= AUTO_SAMPLES[backend or keras.backend.backend()] and big
+        return s.fraction <= AUTO_SAMPLES[backend] and big
     contiguous = all(i is None or len(i) == 0 or int(i[-1]) - int(i[0]) + 1 == len(i) for i in s.index)
     return s.fraction <= (ranges if contiguous else lists) and big
 
