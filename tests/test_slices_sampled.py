@@ -193,3 +193,28 @@ def test_half_precision_inputs_are_summed_in_float32_as_a_matmul_sums_them():
     exact = (x.astype(np.float64).T @ dy.astype(np.float64))[rows, cols]
     assert got.dtype == np.float16 and not np.any(got[~SCATTERED])
     assert float(np.abs(got[rows, cols] - exact).max()) <= 2**-10 * float(np.abs(exact).max())
+
+
+def test_a_custom_loop_trains_sampled_elements_as_the_dense_path_does_and_a_delta_rebuilds_it(tmp_path):
+    x, y = (keras.ops.convert_to_tensor(a[:16]) for a in (X, Y))
+    runs = {}
+    for gradients_ in ("sliced", "dense"):
+        m = model()
+        frz = ff.Freezer(m, plan(), gradients=gradients_)
+        before = numpy(m.get_layer("d").kernel)
+        opt = frz.wrap(keras.optimizers.Adam(0.01))
+        variables = frz.trainable_variables
+        for _ in range(3):
+            opt.apply(gradients(lambda m=m: keras.ops.mean(keras.ops.square(m(x) - y)), variables), variables)
+        frz.verify()
+        assert np.array_equal(numpy(m.get_layer("d").kernel)[~SCATTERED], before[~SCATTERED])
+        runs[gradients_] = (m, frz)
+    (m, frz), (ref, _) = runs["sliced"], runs["dense"]
+    assert gradient_kind(frz, "d/kernel") == "sampled"
+    for v, r in zip(m.weights, ref.weights):
+        close(numpy(v), numpy(r), v.path)
+    frz.save_delta(tmp_path / "sampled.safetensors")
+    base = model()  # the weights the loop started from
+    ff.load_delta(base, tmp_path / "sampled.safetensors")
+    for a, b in zip(base.weights, m.weights):
+        assert np.array_equal(numpy(a), numpy(b)), a.path
