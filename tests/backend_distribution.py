@@ -61,6 +61,32 @@ def new_rows():
     return after
 
 
+def sampled(gradients="sliced"):
+    """Scattered trained elements on the sampled product (or ``gradients="dense"``): the kernel after two epochs."""
+    n = 256  # one trained element in every row and column: no block holds them
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(64, n)).astype("float32"), rng.normal(size=(64, 2)).astype("float32")
+    scattered = np.eye(n, dtype=bool)[rng.permutation(n)]
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential(
+        [keras.Input((n,)), keras.layers.Dense(n, activation="tanh", name="d"), keras.layers.Dense(2, name="head")],
+        name="m",
+    )
+    plan = ff.Plan([ff.freeze("**/d/kernel"), ff.train("**/d/kernel", mask=scattered)])
+    frz = ff.Freezer(m, plan, gradients=gradients)
+    kind = {v["path"]: v["gradient"] for v in frz.report()["variables"]}["m/d/kernel"]
+    assert kind == ("sampled" if gradients == "sliced" else "dense"), kind
+    before = np.array(keras.ops.convert_to_numpy(m.get_layer("d").kernel), copy=True)
+    # SGD: Adam's update would hide a gradient's scale
+    m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.05, momentum=0.9)), loss="mse")
+    m.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    frz.verify()
+    after = np.asarray(keras.ops.convert_to_numpy(m.get_layer("d").kernel))
+    assert np.array_equal(after[~scattered], before[~scattered]), "frozen elements moved"
+    assert (after[scattered] != before[scattered]).all(), "a trained element did not move"
+    return after
+
+
 def main() -> None:
     devices = keras.distribution.list_devices("cpu")
     assert len(devices) == 2, devices
@@ -86,6 +112,12 @@ def main() -> None:
     keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
     np.testing.assert_allclose(new_rows(), single_rows, rtol=1e-5, atol=1e-6)
     print("DataParallel over 2 devices, new embedding rows: frozen exact, trained as on one device")
+
+    keras.distribution.set_distribution(None)
+    single_dense = sampled("dense")
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    np.testing.assert_allclose(sampled(), single_dense, rtol=1e-5, atol=1e-6)
+    print("DataParallel over 2 devices, sampled elements: frozen exact, trained as the dense path on one device")
 
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
     layouts = keras.distribution.LayoutMap(mesh)

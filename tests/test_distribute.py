@@ -37,11 +37,11 @@ def mirrored(n=2):
     return _MIRRORED[n]
 
 
-def make(plan=PLAN, strategy="restore", opt=None, policy="float32", gradients="dense"):
+def make(plan=PLAN, strategy="restore", opt=None, policy="float32", gradients="dense", inputs=5, units=8):
     keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
     m = keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(2, name="b", dtype="float32")],
+        [keras.Input((inputs,)), keras.layers.Dense(units, name="a"), keras.layers.Dense(2, name="b", dtype="float32")],
         name="net",
     )
     frz = ff.Freezer(m, plan, strategy=strategy, gradients=gradients)
@@ -105,6 +105,29 @@ def test_mirrored_fit_of_a_sliced_kernel_is_exact_on_every_replica_and_matches_o
     check_replicas(model, frz, before)
     single, _ = make(plan=sliced, strategy="auto", gradients="sliced")
     single.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.weights, single.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5, err_msg=a.path)
+
+
+def test_mirrored_fit_of_sampled_elements_is_exact_on_every_replica_and_matches_the_dense_path_on_one_device():
+    """Scattered trained elements get the sampled product; its kernel-shaped gradient all-reduces like a dense one."""
+    n = 256  # one trained element in every row and column of a 256 x 256 kernel: no block holds them
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(64, n)).astype("float32"), rng.normal(size=(64, 2)).astype("float32")
+    scattered = np.eye(n, dtype=bool)[rng.permutation(n)]
+    plan = ff.Plan([ff.freeze("**/a/kernel"), ff.train("**/a/kernel", mask=scattered)])
+    sgd = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731  (Adam would hide a gradient's scale)
+    with mirrored().scope():
+        model, frz = make(plan=plan, strategy="auto", opt=sgd, gradients="sliced", inputs=n, units=n)
+    kinds = {v["path"]: (v["gradient"], v["strategy"]) for v in frz.report()["variables"]}
+    assert kinds["net/a/kernel"] == ("sampled", "compact"), kinds
+    before = {v.path: v.numpy().copy() for v in model.weights}
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    check_replicas(model, frz, before)
+    moved = model.get_layer("a").kernel.numpy() != before["net/a/kernel"]
+    assert moved.sum() == n and not moved[frz.frozen_mask("net/a/kernel")].any()
+    single, _ = make(plan=plan, strategy="auto", opt=sgd, gradients="dense", inputs=n, units=n)
+    single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     for a, b in zip(model.weights, single.weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5, err_msg=a.path)
 
