@@ -240,6 +240,20 @@ MUTATIONS = [
         "if True:",
         "tests/test_slices_sampled.py -k never_computed",
     ),
+    (
+        "compact: new rows' sparse entries placed one row off (TensorFlow's row search)",
+        "_backends/variables.py",
+        "    pos = tf.cast(grad.indices, dtype) - lo\n",
+        "    pos = tf.cast(grad.indices, dtype) - lo + 1\n",
+        "tests/test_embedding_rows.py -k bit_for_bit and adam",
+    ),
+    (
+        "slices: PyTorch's rows gradient drops the batch's first entry in the trained rows",
+        "_backends/slices.py",
+        "inside = torch.nonzero(segment < n).squeeze(1)",
+        "inside = torch.nonzero(segment < n).squeeze(1)[1:]",
+        "KERAS_BACKEND=torch tests/test_slices_rows.py -k dense_path",
+    ),
 ]
 
 

@@ -11,6 +11,21 @@ import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
 
+if BACKEND == "jax" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    # Every test builds its own model, so the same programs compile again and again: XLA's cache of
+    # compiled programs, for this process only (no other process reads it half-written), halves the run.
+    import atexit
+    import shutil
+    import tempfile
+
+    import jax
+
+    _compiled = tempfile.mkdtemp(prefix="finefreeze-jax-compiled-")
+    atexit.register(shutil.rmtree, _compiled, True)
+    jax.config.update("jax_compilation_cache_dir", _compiled)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 # Under KERAS_BACKEND=jax (or torch) only the backend-neutral test modules run
 # (tests/test_backends.py runs them so from the TensorFlow suite); the others
 # test TensorFlow-only features (tf.distribute, tf.Module, raw tf.Variables, TF1

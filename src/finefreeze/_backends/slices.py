@@ -146,7 +146,8 @@ class Taken:
     def rows_of(self, ids, dy):
         """The gradient of the block's rows of a table looked up at ``ids``: ``dy`` summed per row, in the block's order.
 
-        The ids outside the block land in one spare segment, dropped.
+        The ids outside the block land in one spare segment, dropped (PyTorch
+        leaves their entries out before it sums).
         """
         n, width = self.block_shape[0], self.shape[1]
         ids = wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), self.shape[0])
@@ -161,8 +162,10 @@ class Taken:
         if keras_backend() == "torch":  # Keras' segment_sum repeats every id across the row first
             import torch
 
-            out = torch.zeros((n + 1, width), dtype=dy.dtype, device=dy.device)
-            return out.index_add_(0, segment.long(), dy)[:n]
+            segment = segment.long()
+            inside = torch.nonzero(segment < n).squeeze(1)  # the block's entries, in their order
+            out = torch.zeros((n, width), dtype=dy.dtype, device=dy.device)
+            return out.index_add_(0, segment.index_select(0, inside), dy.index_select(0, inside))
         return ops.segment_sum(dy, segment, num_segments=n + 1)[:n]
 
     def spread_rows(self, block):

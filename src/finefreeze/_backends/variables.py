@@ -116,7 +116,7 @@ def take_values(v, idx):
     return ops.take(ops.reshape(v.value, (-1,)), idx, axis=0)
 
 
-def take_trainable(grad, idx, shape):
+def take_trainable(grad, idx, shape, block: tuple | None = None):
     """The gradient of a compact vector: ``grad`` at the sorted flat indices ``idx`` of a variable of ``shape``.
 
     A dense gradient is flattened and gathered. A sparse one (``IndexedSlices``
@@ -128,12 +128,15 @@ def take_trainable(grad, idx, shape):
     position 0; adding ``+0.0`` changes no sum, so the inner optimizer's
     sparse update of the vector equals its update of those elements in the
     whole table, bit for bit, at the cost of the batch's rows rather than of
-    the table.
+    the table. Where the elements are a block of whole rows (``block``: new
+    rows of a table), :func:`_take_rows` finds the same entries by rows.
     """
     if _torch_sparse(grad):
-        return _torch_take_rows(grad, idx, shape)
+        return _torch_take_rows(grad, idx, shape, block)
     if not is_sparse(grad):
         return ops.take(flat_dense(grad), idx, axis=0)
+    if block is not None and _row_block(shape, block):
+        return _take_rows(grad, block, shape, idx.dtype)
     tf = tensorflow_imported()
     row = math.prod(shape[1:])
     k = tf.shape(idx, out_type=idx.dtype)[0]
@@ -155,7 +158,34 @@ def take_trainable(grad, idx, shape):
     return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(index, (-1,)), tf.reshape(k, (1,)))
 
 
-def _torch_take_rows(grad, idx, shape):
+def _take_rows(grad, block: tuple, shape, dtype):
+    """:func:`take_trainable` of ``IndexedSlices`` for a block of whole rows: the same entries, found by rows.
+
+    Each entry (a row of the table) inside the block gives its ``width``
+    elements at their place in ``compact``'s vector (the block's rows, flat),
+    in order, duplicates kept: an entry's row minus the block's first row
+    locates it, where :func:`take_trainable` searches the vector for every
+    entry's elements. Outside the block, an XLA step keeps the entries (static
+    shapes) as ``0.0`` at position 0; a graph step drops them.
+    """
+    tf = tensorflow_imported()
+    lo, n, width = block[0].start or 0, block[0].stop - (block[0].start or 0), math.prod(shape[1:])
+    pos = tf.cast(grad.indices, dtype) - lo
+    inside = (pos >= 0) & (pos < n)
+    rows = tf.reshape(grad.values, (-1, width))
+    if _in_xla():
+        rows = tf.where(inside[:, None], rows, tf.zeros_like(rows))
+        pos = tf.where(inside, pos, tf.zeros_like(pos))
+        slot = tf.where(inside[:, None], tf.range(width, dtype=dtype)[None, :], tf.zeros((1, width), dtype))
+    else:
+        hit = tf.reshape(tf.where(inside), (-1,))
+        rows, pos = tf.gather(rows, hit), tf.gather(pos, hit)
+        slot = tf.range(width, dtype=dtype)[None, :]
+    index = pos[:, None] * width + slot
+    return tf.IndexedSlices(tf.reshape(rows, (-1,)), tf.reshape(index, (-1,)), tf.constant([n * width], dtype))
+
+
+def _torch_take_rows(grad, idx, shape, block=None):
     """The elements at ``idx`` of a PyTorch sparse gradient of rows (0 in rows it holds no value for)."""
     import torch
 
@@ -163,6 +193,12 @@ def _torch_take_rows(grad, idx, shape):
     rows, values = grad.indices()[0], grad.values().reshape(grad.indices().shape[1], -1)
     if rows.numel() == 0:
         return torch.zeros(idx.shape, dtype=values.dtype, device=values.device)
+    if block is not None and _row_block(shape, block):  # the block's rows, flat: each row at its place
+        lo, n = block[0].start or 0, block[0].stop - (block[0].start or 0)
+        rows = rows - lo
+        inside = torch.nonzero((rows >= 0) & (rows < n)).squeeze(1)
+        out = torch.zeros((n, values.shape[1]), dtype=values.dtype, device=values.device)
+        return out.index_copy_(0, rows.index_select(0, inside), values.index_select(0, inside)).reshape(-1)
     width = math.prod(shape[1:])
     idx = idx.long()
     want = idx // width
