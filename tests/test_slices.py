@@ -421,3 +421,42 @@ def test_a_layer_two_live_freezers_plan_keeps_the_dense_gradient():
     del b
     a.activate()  # b is gone: a slices its kernels again
     assert MARK in m.get_layer("d").__dict__
+
+
+def test_a_sliced_step_names_no_keras_operation_so_torch_compile_compiles_it_once():
+    """``torch.compile`` guards on Keras' global counter of operation names (``keras.ops.pad`` made a
+    named ``Pad`` at every call): a step that bumped it compiled again at every step."""
+    from keras.src.backend.common import global_state
+
+    def names():
+        return dict(global_state.get_global_attribute("object_name_uids", default=None) or {})
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 256)).astype("float32"), rng.normal(size=(16, 2)).astype("float32")
+    ids = rng.integers(0, 40, (16, 7)).astype("int32")
+    scattered = np.eye(256, dtype=bool)[rng.permutation(256)]
+    cases = {
+        "columns": ("d/kernel[:, 10:20]", None, "sliced"),
+        "rows, an index list": ("d/kernel[[1, 5, 9]]", None, "sliced"),
+        "scattered elements": ("d/kernel", scattered, "sampled"),
+        "new rows of a table": ("tok/embeddings[35:]", None, "sparse" if BACKEND == "tensorflow" else "sliced"),
+    }
+    for case, (rows, mask, kind) in cases.items():
+        keras.utils.set_random_seed(2)
+        if case.startswith("new rows"):
+            i = keras.Input((7,), dtype="int32")
+            h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(40, 6, name="tok")(i))
+            data = (ids, y)
+        else:
+            i = keras.Input((256,))
+            h = keras.layers.Dense(256, name="d")(i)
+            data = (x, y)
+        m = keras.Model(i, keras.layers.Dense(2, name="head")(h))
+        variable = rows.split("[")[0]
+        frz = ff.Freezer(m, ff.Plan([ff.freeze(variable), ff.train(rows, mask=mask)]), gradients="sliced")
+        assert {v["path"]: v["gradient"] for v in frz.report()["variables"]}[variable] == kind, case
+        m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+        m.train_on_batch(*data)  # builds
+        before = names()
+        m.train_on_batch(*data)
+        assert names() == before, (case, {k: v for k, v in names().items() if before.get(k) != v})

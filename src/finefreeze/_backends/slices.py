@@ -194,7 +194,7 @@ class Taken:
             if isinstance(place, tuple):
                 width = [(0, 0)] * len(self.shape)
                 width[axis] = (place[0], self.shape[axis] - place[1])
-                block = ops.pad(block, width)
+                block = _pad(block, width)
             else:
                 zero_shape = list(block.shape)
                 zero_shape[axis] = 1
@@ -243,6 +243,20 @@ class Sampled:
         b = ops.cast(ops.take(ops.transpose(dy), ops.convert_to_tensor(self.cols), axis=0), wide)
         values = ops.cast(ops.sum(a * b, axis=1), dtype)
         return ops.scatter(ops.convert_to_tensor(np.stack([self.rows, self.cols], axis=1)), values, self.shape)
+
+
+def _pad(t, width):
+    """``t`` padded with zeros by ``width`` (``(before, after)`` per axis).
+
+    PyTorch's own pad: ``keras.ops.pad`` makes a named Keras operation at
+    every call, and the global counter of its names would make
+    ``torch.compile`` compile the step again at every step.
+    """
+    if keras_backend() == "torch":
+        import torch
+
+        return torch.nn.functional.pad(t, [w for pair in reversed(width) for w in pair])
+    return ops.pad(t, width)
 
 
 def wrapped(ids, rows: int):

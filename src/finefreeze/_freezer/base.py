@@ -92,7 +92,7 @@ class FreezerBase(abc.ABC):
         return sorted(getattr(self, "_held", ()))
 
     def gradients_record(self) -> dict:
-        """What the optimizer saves of the gradients: ``{"mode", "held_dense", "sliced"}`` (paths the mode slices)."""
+        """What the optimizer saves of the gradients: ``{"mode", "held_dense", "sliced"}`` (paths the mode slices or samples)."""
         sliced = [
             s.path
             for s in self.resolution.states
