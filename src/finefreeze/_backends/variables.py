@@ -131,12 +131,13 @@ def take_trainable(grad, idx, shape, block: tuple | None = None):
     the table. Where the elements are a block of whole rows (``block``: new
     rows of a table), :func:`_take_rows` finds the same entries by rows.
     """
+    rows = _row_range(shape, block)
     if _torch_sparse(grad):
-        return _torch_take_rows(grad, idx, shape, block)
+        return _torch_take_rows(grad, idx, shape, rows)
     if not is_sparse(grad):
         return ops.take(flat_dense(grad), idx, axis=0)
-    if block is not None and _row_block(shape, block):
-        return _take_rows(grad, block, shape, idx.dtype)
+    if rows is not None:
+        return _take_rows(grad, rows, shape, idx.dtype)
     tf = tensorflow_imported()
     row = math.prod(shape[1:])
     k = tf.shape(idx, out_type=idx.dtype)[0]
@@ -158,7 +159,15 @@ def take_trainable(grad, idx, shape, block: tuple | None = None):
     return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(index, (-1,)), tf.reshape(k, (1,)))
 
 
-def _take_rows(grad, block: tuple, shape, dtype):
+def _row_range(shape, block: tuple | None) -> tuple[int, int] | None:
+    """``(first row, number of rows)`` of a block of whole rows of a variable of ``shape``; None for any other."""
+    if block is None or not _row_block(shape, block):
+        return None
+    lo = block[0].start or 0
+    return lo, block[0].stop - lo
+
+
+def _take_rows(grad, block_rows: tuple[int, int], shape, dtype):
     """:func:`take_trainable` of ``IndexedSlices`` for a block of whole rows: the same entries, found by rows.
 
     Each entry (a row of the table) inside the block gives its ``width``
@@ -169,7 +178,7 @@ def _take_rows(grad, block: tuple, shape, dtype):
     shapes) as ``0.0`` at position 0; a graph step drops them.
     """
     tf = tensorflow_imported()
-    lo, n, width = block[0].start or 0, block[0].stop - (block[0].start or 0), math.prod(shape[1:])
+    (lo, n), width = block_rows, math.prod(shape[1:])
     pos = tf.cast(grad.indices, dtype) - lo
     inside = (pos >= 0) & (pos < n)
     rows = tf.reshape(grad.values, (-1, width))
@@ -185,7 +194,7 @@ def _take_rows(grad, block: tuple, shape, dtype):
     return tf.IndexedSlices(tf.reshape(rows, (-1,)), tf.reshape(index, (-1,)), tf.constant([n * width], dtype))
 
 
-def _torch_take_rows(grad, idx, shape, block=None):
+def _torch_take_rows(grad, idx, shape, block_rows=None):
     """The elements at ``idx`` of a PyTorch sparse gradient of rows (0 in rows it holds no value for)."""
     import torch
 
@@ -193,8 +202,8 @@ def _torch_take_rows(grad, idx, shape, block=None):
     rows, values = grad.indices()[0], grad.values().reshape(grad.indices().shape[1], -1)
     if rows.numel() == 0:
         return torch.zeros(idx.shape, dtype=values.dtype, device=values.device)
-    if block is not None and _row_block(shape, block):  # the block's rows, flat: each row at its place
-        lo, n = block[0].start or 0, block[0].stop - (block[0].start or 0)
+    if block_rows is not None:  # a block of whole rows, flat: each row at its place
+        lo, n = block_rows
         rows = rows - lo
         inside = torch.nonzero((rows >= 0) & (rows < n)).squeeze(1)
         out = torch.zeros((n, values.shape[1]), dtype=values.dtype, device=values.device)
