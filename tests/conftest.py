@@ -1,67 +1,14 @@
-"""Shared fixtures: real Keras models of every kind the plans must resolve on."""
+"""Shared fixtures: real Keras models of every kind the plans must resolve on.
 
-import os
+Which Keras backend runs which test is ``tests/keras_backends.py``'s, a plugin
+the repository's top ``conftest.py`` loads before this file.
+"""
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import keras
+import numpy as np
+import pytest
 
 BACKEND = keras.backend.backend()
-
-if BACKEND == "jax" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-    # Every test builds its own model, so the same programs compile again and again: XLA's cache of
-    # compiled programs, for this process only (no other process reads it half-written), halves the run.
-    import atexit
-    import shutil
-    import tempfile
-
-    import jax
-
-    _compiled = tempfile.mkdtemp(prefix="finefreeze-jax-compiled-")
-    atexit.register(shutil.rmtree, _compiled, True)
-    jax.config.update("jax_compilation_cache_dir", _compiled)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-# Under KERAS_BACKEND=jax (or torch) only the backend-neutral test modules run
-# (tests/test_backends.py runs them so from the TensorFlow suite); the others
-# test TensorFlow-only features (tf.distribute, tf.Module, raw tf.Variables, TF1
-# graphs) or run other backends in subprocesses themselves.
-BACKEND_NEUTRAL = {
-    "test_batchnorm_option.py",
-    "test_board_backends.py",
-    "test_conformance.py",
-    "test_delta.py",
-    "test_delta_integrity.py",
-    "test_dynamic.py",
-    "test_errors.py",
-    "test_faults.py",
-    "test_fresh_state.py",
-    "test_index.py",
-    "test_keras_flags.py",
-    "test_lora.py",
-    "test_lr_scale.py",
-    "test_plan.py",
-    "test_real_models.py",
-    "test_reselect.py",
-    "test_resolve.py",
-    "test_resume.py",
-    "test_seams.py",
-    "test_slices.py",
-    "test_slices_rows.py",
-    "test_slices_auto.py",
-    "test_slices_sampled.py",
-    "test_select_backends.py",
-    "test_summary.py",
-    "test_training.py",
-}
-TENSORFLOW_HELPERS = {"multiworker_worker.py"}  # imported by --doctest-modules, and import TensorFlow
-if BACKEND != "tensorflow":
-    collect_ignore = [p.name for p in __import__("pathlib").Path(__file__).parent.glob("test_*.py")]
-    collect_ignore = [n for n in collect_ignore if n not in BACKEND_NEUTRAL] + sorted(TENSORFLOW_HELPERS)
 
 if BACKEND == "tensorflow":
     import tensorflow as tf

@@ -164,6 +164,7 @@ def test_a_model_saved_after_freezeboard_loads_its_optimizer_state(tmp_path):
         assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
 
 
+@pytest.mark.slow
 def test_freezeboard_never_imports_tensorflow_off_the_tensorflow_backend(tmp_path):
     code = textwrap.dedent(
         f"""

@@ -1,9 +1,9 @@
-"""The ``finefreeze`` command line, end to end through subprocesses and in-process."""
+"""The ``finefreeze`` command line, end to end, in this process (exit codes and signals: tests/test_cli_outputs.py, tests/test_cli_signals.py)."""
 
+import contextlib
+import io
 import json
-import os
 import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -12,18 +12,17 @@ import pytest
 import finefreeze as ff
 from finefreeze._cli.commands import main
 
-ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 
-
-def run_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "finefreeze", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=ENV,
-        cwd=cwd,
-    )
+def run_cli(*args) -> subprocess.CompletedProcess:
+    """``finefreeze ARGS`` in this process: its exit code and what it wrote to stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    keras.config.enable_interactive_logging()  # as in a fresh process (the suite turns it off)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        keras.config.disable_interactive_logging()
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def error_lines(stderr):
@@ -133,6 +132,36 @@ def test_delta_export_apply_reproduces_tuned_and_refuses_other_bases(tuned_dir, 
     cut = run_cli("delta", "apply", out / "base.keras", tmp_path / "cut.safetensors", "-o", tmp_path / "y.keras")
     assert cut.returncode == 2 and "damaged or truncated" in error_lines(cut.stderr)[0]
     assert "Traceback" not in cut.stderr
+
+
+ACROSS = """
+import sys
+from finefreeze._cli.commands import main
+base, tuned, delta, applied = sys.argv[1:]
+assert main(["verify", base, tuned]) == 0
+assert main(["delta", "apply", base, delta, "-o", applied]) == 0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow", reason="it starts JAX and PyTorch children itself")
+@pytest.mark.parametrize("other", ["jax", "torch"])
+def test_the_files_are_the_same_on_every_backend(tuned_dir, other, tmp_path):
+    """What TensorFlow wrote verifies on JAX and PyTorch, and its delta applies there bit for bit."""
+    import os
+    import sys
+
+    out, _ = tuned_dir
+    applied = tmp_path / "applied.keras"
+    env = dict(os.environ, KERAS_BACKEND=other)
+    argv = [out / "base.keras", out / "tuned.keras", out / "delta.safetensors", applied]
+    got = subprocess.run([sys.executable, "-c", ACROSS, *map(str, argv)], env=env, capture_output=True, text=True)
+    assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-3000:]
+    assert got.stdout.startswith("OK: all 25,440 frozen elements"), got.stdout
+    tuned, applied_w = raw(load(out / "tuned.keras")), raw(load(applied))
+    assert tuned.keys() == applied_w.keys()
+    for p in tuned:
+        assert np.array_equal(tuned[p].view(np.uint8), applied_w[p].view(np.uint8)), p
 
 
 def test_every_command_has_help():

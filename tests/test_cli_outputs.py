@@ -1,4 +1,8 @@
-"""Outputs that cannot be half-written, refusals that change nothing, interrupts, broken model files."""
+"""Outputs that cannot be half-written, refusals that change nothing, interrupts, broken model files.
+
+A command runs in a process of its own where the process is what is tested
+(interrupts, what reaches stderr), in this one otherwise.
+"""
 
 import json
 import os
@@ -12,6 +16,7 @@ import numpy as np
 import pytest
 
 from finefreeze._cli.commands import main
+from test_cli import run_cli as run_here
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 #: the environment of a person's shell: no TensorFlow quieting of our own
@@ -31,6 +36,7 @@ def cli(*args, **kw):
 
 
 def run_cli(*args):
+    """The command in a process of its own: its exit code, stdout and stderr."""
     proc = cli(*args)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err
@@ -60,18 +66,18 @@ def one_error_line(err, *expected):
 def done(tmp_path_factory):
     """A complete bundled run (1 epoch) in ``out``."""
     out = tmp_path_factory.mktemp("done") / "out"
-    code, stdout, err = run_cli("finetune", "--out", out, "--epochs", "1", "-q")
-    assert code == 0, err[-3000:]
-    assert err == ""  # no TensorFlow log lines, no warnings
+    got = run_here("finetune", "--out", out, "--epochs", "1", "-q")
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stderr == ""  # no warnings
     return out
 
 
 @pytest.mark.slow
 def test_a_used_out_is_refused_without_force_and_nothing_changes(done):
     before = tree(done)
-    code, stdout, err = run_cli("finetune", "--out", done, "--epochs", "1", "-q")
-    assert code == 2
-    one_error_line(err, "--force", str(done))
+    got = run_here("finetune", "--out", done, "--epochs", "1", "-q")
+    assert got.returncode == 2
+    one_error_line(got.stderr, "--force", str(done))
     assert tree(done) == before
 
 
@@ -261,15 +267,15 @@ def test_force_replaces_a_previous_run_whole(done, tmp_path):
     x, y = make_data(256, new_tokens=True, seed=3)
     np.savez(tmp_path / "d.npz", x=x, y=y)
     argv = ["finetune", tmp_path / "model.keras", "--data", tmp_path / "d.npz", "--plan", tmp_path / "plan.json"]
-    code, stdout, err = run_cli(*argv, "--out", out, "--epochs", "1", "--force", "-q")
-    assert code == 0 and err == "", err[-3000:]
+    got = run_here(*argv, "--out", out, "--epochs", "1", "--force", "-q")
+    assert got.returncode == 0 and got.stderr == "", got.stderr[-3000:]
     assert not (out / "base.keras").exists()  # a stale file of the previous run is gone
     assert (out / "tuned.keras").read_bytes() != old_tuned
     events = set(os.listdir(out / "tensorboard"))
     assert events and not events & old_events  # one run's TensorBoard files, not two
     assert not [f for f in os.listdir(out) if f.startswith(".")]
-    code, stdout, err = run_cli("verify", tmp_path / "model.keras", out / "tuned.keras")
-    assert code == 0, stdout + err
+    got = run_here("verify", tmp_path / "model.keras", out / "tuned.keras")
+    assert got.returncode == 0, got.stdout + got.stderr
 
 
 DROPPED_INTERRUPT = """
@@ -327,3 +333,33 @@ def test_budget_without_select_is_refused(tmp_path, capsys):
     assert main(["finetune", "--budget", "0.05", "--out", str(tmp_path / "o"), "-q"]) == 2
     one_error_line(capsys.readouterr().err, "--budget goes with --select")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.backends("tensorflow", reason="it starts its children on the backends it tests, whatever this run's")
+@pytest.mark.parametrize(
+    "backend, hide, missing",
+    [("jaxx", False, "jaxx"), ("tensorflow", True, "No module named 'tensorflow")],
+)
+@pytest.mark.slow
+def test_a_backend_that_cannot_load_is_one_line_that_names_keras_backend(backend, hide, missing, tmp_path):
+    env = dict(ENV, KERAS_BACKEND=backend)
+    code = "from finefreeze._cli.commands import main; import sys; sys.exit(main(sys.argv[1:]))"
+    if hide:
+        code = "import sys; sys.modules['tensorflow'] = None; " + code
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "inspect"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("finefreeze inspect: error: ") and missing in lines[0], lines[0]
+    assert f"KERAS_BACKEND={backend}" in lines[0], lines[0]
+    assert "installed here: KERAS_BACKEND=" in lines[0] and "KERAS_BACKEND=jax" in lines[0], lines[0]  # not pip
+
+
+@pytest.mark.slow
+def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
+    """``finefreeze inspect | head -c 10``: the closed pipe ends the command quietly."""
+    cmd = f"set -o pipefail; {sys.executable} -m finefreeze inspect | head -c 10 >/dev/null"
+    got = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert got.stderr == "", got.stderr[-2000:]
+    assert got.returncode in (0, 141), got.returncode  # 0 when inspect had written everything before head left

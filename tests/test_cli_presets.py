@@ -15,6 +15,8 @@ from finefreeze._cli.commands import main
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_kerashub import LABELS, NEW, TEXTS, VOCAB, classifier  # noqa: E402
 
+pytestmark = pytest.mark.backends("tensorflow", reason="KerasHub's tokenizers run on tf.text")
+
 
 @pytest.fixture(scope="module")
 def preset(tmp_path_factory):
@@ -40,6 +42,7 @@ def finetune(preset, data, out, *extra):
     return main([*args, "--batch-size", "8", "--sequence-length", "8", "-q", *extra])
 
 
+@pytest.mark.slow
 def test_finetune_on_a_preset_folder_with_csv_text(preset, tmp_path, capsys):
     out = tmp_path / "out"
     assert finetune(preset, preset / "texts.csv", out, "--plan", str(preset / "plan.json")) == 0
@@ -59,6 +62,7 @@ def test_finetune_on_a_preset_folder_with_csv_text(preset, tmp_path, capsys):
     assert np.array_equal(base.predict(TEXTS, verbose=0), tuned.predict(TEXTS, verbose=0))
 
 
+@pytest.mark.slow
 def test_jsonl_integer_labels_and_select_on_a_preset(preset, tmp_path, capsys):
     out = tmp_path / "out"
     assert finetune(preset, preset / "texts.jsonl", out, "--select", "fisher", "--budget", "40") == 0
@@ -147,6 +151,7 @@ def test_text_with_a_byte_order_mark_reads_as_text(preset, tmp_path, capsys):
     assert json.loads((out / "report.json").read_text())["finetune"]["labels"] == ["negative", "positive"]
 
 
+@pytest.mark.slow
 def test_select_on_a_preset_trains_the_whole_new_head_and_chooses_the_same_plan_twice(preset, tmp_path):
     runs = []
     for name in ("a", "b"):

@@ -90,7 +90,7 @@ def reference_run(name, mode):
     return [np.asarray(t.numpy()) for t in ws]
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=() if m == COMPILED else pytest.mark.slow) for m in MODES])
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_frozen_elements_bit_identical_after_a_warm_phase(name, strategy, mode):
@@ -140,6 +140,7 @@ def test_frozen_elements_bit_identical_after_a_warm_phase(name, strategy, mode):
 ELEMENTWISE_NAMES = sorted(set(OPTIMIZERS) - NOT_ELEMENTWISE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ELEMENTWISE_NAMES)
 def test_compact_and_restore_train_the_same_values(name):
     """Where compact is allowed it changes cost, never maths: both strategies give the same weights."""

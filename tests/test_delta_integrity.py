@@ -67,7 +67,7 @@ def rewrite(path, out, *, tensors=None, meta=None, fix_checksums=True):
 
 
 @pytest.mark.slow
-@pytest.mark.one_backend
+@pytest.mark.backends("tensorflow", reason="bytes of a file, the same on every backend")
 def test_every_flipped_byte_is_refused_or_harmless(tmp_path):
     base, tuned, path = small_pair(tmp_path)
     pristine = snapshot(base)
@@ -98,7 +98,7 @@ def test_every_flipped_byte_is_refused_or_harmless(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.one_backend
+@pytest.mark.backends("tensorflow", reason="bytes of a file, the same on every backend")
 def test_spread_flips_of_the_bundled_delta_are_refused_or_harmless(tmp_path):
     from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
 

@@ -16,6 +16,8 @@ import finefreeze as ff
 from conftest import N_LOGICAL_CPUS
 from finefreeze._backends.distribute import replica_values
 
+pytestmark = pytest.mark.backends("tensorflow", reason="tf.distribute strategies")
+
 PLAN = ff.Plan([ff.freeze("**/a/kernel[:2]"), ff.freeze("**/b/bias"), ff.train("**/b/bias[1]")])
 X = np.random.default_rng(0).normal(size=(64, 5)).astype("float32")
 Y = np.random.default_rng(1).normal(size=(64, 2)).astype("float32")
@@ -78,6 +80,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 @pytest.mark.parametrize("variant", VARIANTS.keys())
 def test_mirrored_fit_is_exact_on_every_replica_and_matches_one_device(strategy, variant):

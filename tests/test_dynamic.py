@@ -52,7 +52,9 @@ def fit(model, epochs=2):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS.keys())
-@pytest.mark.parametrize("order", ["freeze_then_unfreeze", "unfreeze_then_freeze"])
+@pytest.mark.parametrize(
+    "order", ["freeze_then_unfreeze", pytest.param("unfreeze_then_freeze", marks=pytest.mark.slow)]
+)
 def test_transitions_are_exact_and_keep_state_of_what_stays_trainable(name, order):
     """Branch a trains throughout; branch b changes. a must follow an uninterrupted run bit for bit."""
     make_opt = OPTIMIZERS[name]

@@ -14,6 +14,8 @@ import tensorflow as tf  # TensorFlow's sparse gradients: the backend-neutral ru
 
 import finefreeze as ff
 
+pytestmark = pytest.mark.backends("tensorflow", reason="TensorFlow's IndexedSlices gradients")
+
 VOCAB, DIM, NEW = 300, 8, 6
 RNG = np.random.default_rng(0)
 X = RNG.integers(0, VOCAB, (48, 5)).astype("int32")
@@ -55,6 +57,7 @@ def fit(strategy, opt, plan=NEW_ROWS, jit=False, epochs=2):
     return m, frz, before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_compact_new_rows_train_as_restore_does_bit_for_bit(name, jit):

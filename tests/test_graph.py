@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 
 import finefreeze as ff
 
+pytestmark = pytest.mark.backends("tensorflow", reason="tf.compat.v1 graph code")
+
 v1 = tf.compat.v1
 T = v1.train
 
@@ -501,6 +503,7 @@ def test_any_mask_on_any_shape_is_exact_and_trains_as_by_hand(shape, seed, name)
     assert np.array_equal(after[~frozen], ref[~frozen])
 
 
+@pytest.mark.slow
 def test_a_graph_freezer_is_an_ff_freezer_from_the_start():
     """``ff.Freezer`` is the public type of every kind of Freezer, before any graph Freezer was made too."""
     import subprocess

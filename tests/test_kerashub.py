@@ -17,6 +17,8 @@ import tensorflow as tf  # noqa: E402  (KerasHub's tokenizers run on tf.text; a 
 
 import finefreeze as ff
 
+pytestmark = pytest.mark.backends("tensorflow", reason="KerasHub's tokenizers run on tf.text")
+
 VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a film good bad great awful movie was is".split()
 NEW = ["superb", "dire"]  # tokens a tuned model adds: rows 15 and 16
 TEXTS = np.array(
@@ -92,6 +94,7 @@ def test_new_token_rows_and_the_head_train_on_raw_strings_as_plain_keras_would()
             assert np.array_equal(value, before[path]), path
 
 
+@pytest.mark.slow
 def test_a_delta_of_a_tuned_task_reproduces_it_on_a_fresh_from_preset_model(tmp_path):
     preset = str(tmp_path / "preset")
     model = classifier(VOCAB + NEW)
@@ -116,6 +119,7 @@ def test_a_delta_of_a_tuned_task_reproduces_it_on_a_fresh_from_preset_model(tmp_
     assert np.array_equal(fresh.predict(TEXTS, verbose=0), model.predict(TEXTS, verbose=0))
 
 
+@pytest.mark.slow
 def test_summary_blocks_and_gradual_unfreezing_over_the_transformer_layers():
     model = classifier()
     blocks = ff.blocks(model)
@@ -138,6 +142,7 @@ def test_summary_blocks_and_gradual_unfreezing_over_the_transformer_layers():
     assert "token_embedding/embeddings" not in moved
 
 
+@pytest.mark.slow
 def test_lora_adapters_and_selected_base_elements_train_together_on_a_backbone():
     model = classifier()
     model.backbone.enable_lora(2)

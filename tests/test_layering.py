@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 
-pytestmark = pytest.mark.one_backend
+pytestmark = pytest.mark.backends("tensorflow", reason="the source's imports, the same on every backend")
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "finefreeze"
 

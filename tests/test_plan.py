@@ -90,6 +90,7 @@ def test_unknown_extension(tmp_path):
         ff.Plan([ff.freeze("**")]).save(tmp_path / "p.txt")
 
 
+@pytest.mark.slow
 def test_import_does_not_load_optional_extras():
     import subprocess
     import sys

@@ -69,7 +69,7 @@ def test_training_a_head_over_a_scoped_backbone_equals_keras_trainable_false():
 
 
 # -- 5. blocks --------------------------------------------------------------------------------
-@pytest.mark.one_backend
+@pytest.mark.backends("tensorflow", reason="block structure of models, the same on every backend")
 def test_blocks_of_real_architectures():
     rn = ff.blocks(resnet50())
     assert [b.name for b in rn][:4] == ["conv2_block1", "conv2_block2", "conv2_block3", "conv3_block1"]

@@ -20,7 +20,7 @@ from tensorboard.util.tensor_util import make_ndarray
 
 import finefreeze as ff
 
-pytestmark = pytest.mark.one_backend  # the files hold TensorFlow optimizer variables; written on TensorFlow
+pytestmark = pytest.mark.backends("tensorflow", reason="the files hold TensorFlow optimizer variables")
 
 HERE = pathlib.Path(__file__).parent / "data" / "release-0.x"
 
@@ -127,6 +127,7 @@ def test_a_model_saved_now_writes_layout_version_3_and_loads(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_file_of_the_previous_release_loads_after_import_finefreeze_alone():
     """Keras finds the class by its registered name; the module path the file names still imports to it."""
     import importlib

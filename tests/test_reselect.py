@@ -53,6 +53,7 @@ def run(strategy, optimizer, epochs=4):
     return m, frz, cb, checker, start, (x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 def test_reselection_swaps_elements_and_frozen_elements_never_move(strategy):
     m, frz, cb, checker, start, _ = run(strategy, keras.optimizers.AdamW(1e-2, weight_decay=0.1))

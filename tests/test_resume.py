@@ -137,6 +137,7 @@ def interrupted_then_resumed(kind, tmp_path, kill, save_freq="epoch"):
     return model, frz
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [0, 1, 3], ids=["before-the-first-release", "after-one-release", "last-epoch"])
 def test_gradual_unfreezing_killed_and_resumed_is_the_uninterrupted_run(kill_at, tmp_path):
     model, frz = interrupted_then_resumed("gradual", tmp_path, Kill(kill_at, batch=None if kill_at < 3 else 2))
@@ -151,6 +152,7 @@ def test_gradual_unfreezing_killed_and_resumed_is_the_uninterrupted_run(kill_at,
         frz.verify()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["by_step", "update", "reselect"])
 def test_other_plan_changes_killed_and_resumed_are_the_uninterrupted_run(kind, tmp_path):
     model, frz = interrupted_then_resumed(kind, tmp_path, Kill(2))
@@ -264,7 +266,7 @@ def _worker(*args, wait=True):
 
 
 @pytest.mark.slow
-@pytest.mark.one_backend
+@pytest.mark.backends("tensorflow", reason="processes killed by the OS: one backend's run is the check")
 def test_processes_killed_by_os_exit_and_sigkill_resume_bit_identical(tmp_path):
     straight_out = tmp_path / "straight.npz"
     got = _worker("run", tmp_path / "b0", straight_out, "none")

@@ -1,9 +1,8 @@
 """ff.select: each score's chosen set is the top-k of an independently computed score.
 
-A TensorFlow-suite module (the CLI, tf.data and TensorFlow's allocator
-statistics); its references take gradients with the backend's own autodiff
-(``backend_utils.gradients``), so it also runs under another
-``KERAS_BACKEND`` when named on the command line.
+Its references take gradients with the backend's own autodiff
+(``backend_utils.gradients``): it runs on every backend, but for tf.data and
+TensorFlow's allocator statistics.
 """
 
 import json
@@ -11,7 +10,6 @@ import json
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import finefreeze as ff
 from backend_utils import attention_model, gradients
@@ -78,6 +76,7 @@ def same(a, b):
         assert np.array_equal(a[p], b[p]), p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_example", ["vectorized", "loop"])
 @pytest.mark.parametrize("per_microbatch", [1, 7, 64])
 def test_fisher_is_top_k_of_summed_squared_per_example_gradients(per_microbatch, per_example):
@@ -98,7 +97,10 @@ def test_fisher_on_attention_takes_examples_in_a_loop_and_matches_the_reference(
     same(chosen(m, ff.select(m, (x, y), budget=25, score="fisher", loss=LOSS, verbose=0)), ref)
 
 
+@pytest.mark.backends("tensorflow", reason="a tf.data.Dataset")
 def test_gradient_is_top_k_of_summed_absolute_batch_gradients_from_a_dataset():
+    import tensorflow as tf
+
     m = mlp()
     x, y = data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
@@ -160,6 +162,7 @@ def test_random_is_deterministic_for_a_seed_and_changes_with_it():
     assert any(not np.array_equal(a[p], c[p]) for p in a)
 
 
+@pytest.mark.slow
 def test_data_scores_are_deterministic():
     m = mlp()
     x, y = data()
@@ -315,6 +318,8 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow", reason="TensorFlow's allocator statistics, in a child process")
 def test_scores_stream_one_accumulator_per_element_whatever_the_number_of_batches():
     """TensorFlow's allocator and tracemalloc (numpy) peaks, in float32 copies of the model (4 P bytes).
 
@@ -350,10 +355,6 @@ def test_cli_finetune_select_writes_and_uses_the_selected_plan(tmp_path, capsys)
     from finefreeze._cli.commands import main
 
     out = tmp_path / "out"
-    if keras.backend.backend() != "tensorflow":  # the command line runs on TensorFlow, and says so elsewhere
-        assert main(["finetune", "--select", "fisher", "--budget", "300", "--out", str(out), "-q"]) == 2
-        assert "finetune runs on the TensorFlow backend" in capsys.readouterr().err
-        return
     assert main(["finetune", "--select", "fisher", "--budget", "300", "--epochs", "1", "--out", str(out), "-q"]) == 0
     plan = ff.Plan.load(out / "selected-plan.json")
     report = json.loads((out / "report.json").read_text())

@@ -119,6 +119,7 @@ def scores(m, data_, **kw):
     return stream_scores(m, m.trainable_variables, data_, **args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("microbatch, per_example", [(1, "vectorized"), (7, "vectorized"), (64, "auto"), (7, "loop")])
 def test_fisher_is_numpy_summed_squared_per_example_gradients(microbatch, per_example):
     m = net()
@@ -171,6 +172,7 @@ def test_delta_is_numpy_sgd_and_the_model_is_put_back_bit_exactly():
     same(chosen(m, plan), ref_top_k(ref, k))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [1, 9, 0.2, 1.0])
 @pytest.mark.parametrize("per_variable", [False, True])
 def test_budgets_are_exact(budget, per_variable):
@@ -355,6 +357,7 @@ print("tensorflow imported:", "tensorflow" in sys.modules)
 """
 
 
+@pytest.mark.slow
 def test_select_and_reselect_do_not_import_tensorflow_off_tensorflow():
     backend = BACKEND if BACKEND != "tensorflow" else "jax"
     env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT / "src"))

@@ -29,7 +29,7 @@ def test_every_column_of_every_row_is_filled(variables):
 
 
 @pytest.mark.slow
-@pytest.mark.one_backend
+@pytest.mark.backends("tensorflow", reason="a summary's layout, the same on every backend")
 def test_densenet_summary_stays_readable_and_the_report_keeps_everything():
     model = keras.applications.DenseNet121(weights=None)
     long_rule = ff.freeze("re:conv5_block16_2_conv/kernel", where=lambda v: abs(v) < 0.01)

@@ -8,6 +8,8 @@ import tensorflow as tf
 import finefreeze as ff
 from conftest import TwoLayerModule
 
+pytestmark = pytest.mark.backends("tensorflow", reason="tf.Module and raw tf.Variable objects")
+
 
 def test_tf_module_custom_loop():
     mod = TwoLayerModule()

@@ -302,6 +302,7 @@ def test_transformer_with_frozen_token_embedding_rows():
     frz.verify()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 def test_custom_loop_with_apply(strategy):
     w = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4), name="w")

@@ -13,6 +13,8 @@ import os
 import keras
 import numpy as np
 
+from finefreeze._backends import randomness
+
 __all__ = ["shuffled", "plain", "seed_states"]
 
 
@@ -76,7 +78,8 @@ def seed_states(model, folder: str):
 
     Keras' ``BackupAndRestore`` saves the weights, not the seed generators'
     states (they are variables, not weights), so a resumed run would draw
-    the dropout masks of epoch 1 again. After every epoch this writes the
+    the dropout masks of epoch 1 again (PyTorch draws an unseeded dropout's
+    masks from its global generator: its state is kept too). After every epoch this writes the
     states to ``seeds-<epochs done>.npz`` (atomically, before the resume
     point of that epoch is written, keeping the one before), and at the
     start of a resumed run it puts back the states of the epoch the resume
@@ -94,16 +97,23 @@ def seed_states(model, folder: str):
                     done = int(json.load(f)["epoch"])
                 with np.load(path(done)) as saved:
                     values = [saved[f"s{i}"] for i in range(len(states))]
+                    generator = saved["global"] if "global" in saved else None
             except (OSError, ValueError, KeyError, TypeError):
                 return  # a fresh run (or no states kept): nothing to put back
             for v, value in zip(states, values):
                 v.assign(value)
+            if generator is not None:
+                randomness.set_global_state(generator)
 
         def on_epoch_end(self, epoch, logs=None):
-            if not states:
+            saved = {f"s{i}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(states)}
+            generator = randomness.global_state()
+            if generator is not None:  # PyTorch's unseeded dropout draws from it
+                saved["global"] = generator
+            if not saved:
                 return
             tmp = path(epoch + 1) + ".tmp.npz"
-            np.savez(tmp, **{f"s{i}": np.asarray(keras.ops.convert_to_numpy(v)) for i, v in enumerate(states)})
+            np.savez(tmp, **saved)
             os.replace(tmp, path(epoch + 1))
             if os.path.exists(path(epoch - 1)):
                 os.remove(path(epoch - 1))

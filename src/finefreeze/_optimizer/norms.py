@@ -38,14 +38,17 @@ def record(norms, raw) -> None:
         if g is None:
             continue
         g = ops.cast(flat_dense(g), "float32")
-        total = ops.sum(ops.square(g))
         if e.kind == Kind.TRAIN:
-            tn += total
+            tn += ops.sum(ops.square(g))
             continue
-        if e.kind == Kind.COMPACT:
-            trained = ops.sum(ops.square(ops.take(g, e.index.value, axis=0)))
+        if e.kind == Kind.COMPACT:  # each part summed from its own elements: a difference of sums would round
+            idx = e.index.value
+            trained = ops.sum(ops.square(ops.take(g, idx, axis=0)))
+            frozen = ops.scatter_update(g, ops.expand_dims(idx, 1), ops.zeros(ops.shape(idx), g.dtype))
         else:
-            trained = ops.sum(ops.square(ops.where(ops.reshape(e.mask.value, (-1,)), ops.zeros_like(g), g)))
+            frozen_mask = ops.reshape(e.mask.value, (-1,))
+            trained = ops.sum(ops.square(ops.where(frozen_mask, ops.zeros_like(g), g)))
+            frozen = ops.where(frozen_mask, g, ops.zeros_like(g))
         tn += trained
-        fn += ops.maximum(total - trained, 0.0)
+        fn += ops.sum(ops.square(frozen))
     write_all([(norms[0], assign, (ops.sqrt(tn),)), (norms[1], assign, (ops.sqrt(fn),))])

@@ -1,0 +1,8 @@
+"""Loads ``tests/keras_backends.py`` for every run, doctests of ``src/`` included: which Keras backend runs which test."""
+
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tests"))
+
+pytest_plugins = ["keras_backends"]
