@@ -60,3 +60,52 @@ def test_readme_quickstart_runs():
     exec(compile(code, "README quickstart", "exec"), ns)  # noqa: S102
     kernel = ns["model"].get_layer("backbone").kernel.path  # "sequential_<n>/..." in a long session
     assert ns["frz"].variable_state(kernel) == "partial"
+
+
+NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "PyTorch"}
+#: helper scripts a test runs in a child process, and the backends of the test that runs them
+RUN_BY = {"tests/backend_distribution.py": ("jax",)}
+
+
+def backends_of(ref: str) -> tuple[str, ...]:
+    """The backends whose runs include the test (or file) ``ref`` names, from the markers in its file."""
+    import ast
+
+    from keras_backends import ALL, _file_backends, _is_backends_mark
+
+    path, _, name = ref.partition("::")
+    if path in RUN_BY:
+        return RUN_BY[path]
+    found = set(_file_backends(ROOT / path) or ALL)
+    if name:
+        tree = ast.parse((ROOT / path).read_text())
+        (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+        for mark in fn.decorator_list:
+            if _is_backends_mark(mark):
+                found &= {a.value for a in mark.args}
+    return tuple(b for b in ALL if b in found)
+
+
+def test_the_guarantees_name_existing_tests_and_the_backends_that_run_them():
+    """Each promise's row names tests that exist, and the backends column is what their markers say."""
+    text = (DOCS / "guarantees.md").read_text()
+    exact = text[text.index("## What is exact") : text.index("## What is refused")]
+    rows = [ln for ln in exact.splitlines() if ln.startswith("| ") and not ln.startswith("| promise")]
+    assert len(rows) >= 20
+    for row in rows:
+        refs = ["::".join(filter(None, r)) for r in re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?", row)]
+        assert refs, row
+        said = row.rstrip(" |").rsplit("|", 1)[1].strip()
+        assert said == backends_column(refs), (said, row[:80])
+
+
+def backends_column(refs) -> str:
+    """The backends column of a guarantee proved by ``refs``: where each runs, when they differ."""
+    each = {ref: backends_of(ref) for ref in refs}  # raises on a test that does not exist
+    words = lambda names: ", ".join(NAMES[b] for b in NAMES if b in names)  # noqa: E731
+    if len(set(each.values())) == 1:
+        return words(next(iter(each.values())))
+    groups = {}
+    for ref, names in each.items():
+        groups.setdefault(names, []).append(f"`{ref.rsplit('/', 1)[-1]}`")
+    return "; ".join(f"{words(names)}: {', '.join(refs)}" for names, refs in groups.items())

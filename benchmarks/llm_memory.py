@@ -1,0 +1,288 @@
+"""Peak training memory of partial fine-tunes of a Gemma-shaped KerasHub causal LM, against the floor and full fine-tuning.
+
+The model is a KerasHub ``GemmaBackbone`` built from a config (random
+weights: memory and time do not depend on the values) whose logits are the
+tied token embedding's reverse projection, ``token_embedding(h,
+reverse=True)``; batches of 4 x 128 tokens, next-token loss, Adam.
+
+Variants (trained elements at the default size in brackets):
+
+- ``floor``: every kernel and the embedding frozen, only the norm scales
+  train: the whole backward pass and every activation, no kernel gradient;
+- ``full``: plain Keras, everything trains;
+- ``lora``: KerasHub's ``enable_lora(8)``, plain Keras;
+- ``rows``: the tied embedding's last 100 rows (new tokens) and the norms;
+- ``columns``: 1 % of the output columns (the last axis) of every kernel, and the norms;
+- ``scattered``: 1 % of the elements of every kernel, drawn at random, and the norms;
+- ``fisher``: 1 % of the kernels' elements, chosen by ``ff.select(score="fisher")``;
+- ``fisher-columns``: the same budget in whole columns (``structure="columns"``);
+- ``select``: the fisher selection itself (its peak and its time per example).
+
+Each variant runs in a process of its own (peak memory is per process:
+``ru_maxrss``, which on a CPU holds every backend's buffers). ``excess`` is
+(peak - floor's peak) / (full's peak - floor's peak): the share of full
+fine-tuning's extra memory a variant pays. ``exact``: ``Freezer.verify()``
+passed (every frozen element bit-identical after the steps) and every
+trained element's kernel moved.
+
+    python benchmarks/llm_memory.py                        # every variant on this backend
+    KERAS_BACKEND=jax python benchmarks/llm_memory.py --only floor,full,columns
+    python benchmarks/llm_memory.py --time --rounds 5      # step times, interleaved in one process
+    python benchmarks/llm_memory.py --size 1b --dtype bfloat16   # a 1.1 B-parameter config (a GPU's memory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+SIZES = {
+    "tiny": dict(vocabulary_size=1000, num_layers=2, hidden_dim=64, intermediate_dim=256, head_dim=16),
+    "152m": dict(vocabulary_size=32000, num_layers=8, hidden_dim=1024, intermediate_dim=8192, head_dim=128),
+    "1b": dict(vocabulary_size=32000, num_layers=18, hidden_dim=2048, intermediate_dim=16384, head_dim=256),
+}
+VARIANTS = ["floor", "full", "lora", "rows", "columns", "scattered", "select", "fisher", "fisher-columns"]
+NEW_ROWS = 100
+FRACTION = 0.01
+BATCH, TOKENS = 4, 128
+NORMS = ["**/*norm*/scale"]
+
+
+def build(size: str, dtype: str):
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    keras.config.set_dtype_policy(dtype)
+    backbone = keras_hub.models.GemmaBackbone(num_query_heads=8, num_key_value_heads=1, **SIZES[size])
+    h = backbone(backbone.input)
+    logits = backbone.token_embedding(h, reverse=True)
+    model = keras.Model(backbone.input, logits, name="lm")
+    return model, backbone
+
+
+def data(size: str, n: int = BATCH, seed: int = 1):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vocab = SIZES[size]["vocabulary_size"]
+    ids = rng.integers(1, vocab, (n, TOKENS + 1)).astype("int32")
+    x = {"token_ids": ids[:, :-1], "padding_mask": np.ones((n, TOKENS), "int32")}
+    return x, ids[:, 1:]
+
+
+def kernels(model):
+    return [v for v in model.weights if v.path.endswith("/kernel") and "lora" not in v.path]
+
+
+def plan_for(variant: str, model, size: str, workdir: str):
+    """The plan (or None: plain Keras) and the Freezer's ``gradients`` of a variant."""
+    import numpy as np
+
+    import finefreeze as ff
+
+    base = [ff.freeze("**"), *(ff.train(s) for s in NORMS)]
+    if variant in ("full", "lora"):
+        return None
+    if variant == "floor":
+        return ff.Plan(base)
+    if variant == "rows":
+        return ff.Plan([*base, ff.train(f"token_embedding/embeddings[-{NEW_ROWS}:]")])
+    if variant == "columns":
+        rules = []
+        for v in kernels(model):
+            n = max(1, round(FRACTION * v.shape[-1]))
+            rules.append(ff.train(v.path + "[..., :%d]" % n))
+        return ff.Plan(base + rules)
+    if variant == "scattered":
+        rng = np.random.default_rng(2)
+        rules = [ff.train(v.path, mask=rng.random(v.shape) < FRACTION) for v in kernels(model)]
+        return ff.Plan(base + rules)
+    if variant in ("fisher", "fisher-columns"):
+        return ff.Plan.load(os.path.join(workdir, f"{variant}.json"))
+    raise SystemExit(f"unknown variant {variant!r}")
+
+
+def child(a) -> dict:
+    import keras
+    import numpy as np
+
+    import finefreeze as ff
+
+    model, backbone = build(a.size, a.dtype)
+    x, y = data(a.size)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    out = {"variant": a.variant, "backend": keras.backend.backend(), "size": a.size, "dtype": a.dtype}
+    out["parameters"] = int(sum(np.prod(v.shape) for v in model.weights))
+    if a.variant == "select":
+        xs, ys = data(a.size, n=a.examples, seed=3)
+        model.compile(loss=loss)
+        t0 = time.perf_counter()
+        plan = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
+                         batch_size=BATCH, verbose=0)  # fmt: skip
+        out["seconds"] = time.perf_counter() - t0
+        out["examples"] = a.examples
+        plan.save(os.path.join(a.workdir, "fisher.json"))
+        t0 = time.perf_counter()
+        cols = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
+                         structure="columns", batch_size=BATCH, verbose=0)  # fmt: skip
+        out["seconds_columns"] = time.perf_counter() - t0
+        cols.save(os.path.join(a.workdir, "fisher-columns.json"))
+        out["peak_mb"] = peak_mb()
+        return out
+    if a.variant == "lora":
+        backbone.enable_lora(8)
+    plan = plan_for(a.variant, model, a.size, a.workdir)
+    frz = None
+    if plan is None:
+        opt = keras.optimizers.Adam(1e-4)
+    else:
+        frz = ff.Freezer(model, plan, gradients=a.gradients)
+        opt = frz.wrap(keras.optimizers.Adam(1e-4))
+    model.compile(optimizer=opt, loss=loss)
+    before = {v.path: np.array(keras.ops.convert_to_numpy(v)) for v in kernels(model)} if frz else {}
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        model.train_on_batch(x, y)
+        times.append(time.perf_counter() - t0)
+    out["step_s"] = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    out["peak_mb"] = peak_mb()
+    out["trained"] = int(sum(np.prod(v.shape) for v in model.trainable_weights)) if frz is None else None
+    out["optimizer_state"] = int(sum(np.prod(v.shape) for v in opt.variables if len(v.shape)))
+    if frz is not None:
+        rep = frz.report()
+        out["trained"] = rep["totals"]["trainable_elements"]
+        frz.verify()
+        moved = all(
+            not np.array_equal(before[v.path][~frz.frozen_mask(v.path)], keras.ops.convert_to_numpy(v)[~frz.frozen_mask(v.path)])
+            for v in kernels(model) if (~frz.frozen_mask(v.path)).any()
+        )  # fmt: skip
+        out["exact"] = bool(moved)
+        out["gradients"] = sorted({v.get("gradient", "dense") for v in rep["variables"] if v["state"] == "partial"})
+    return out
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_child(variant: str, a) -> dict:
+    cmd = [sys.executable, __file__, "--child", variant, "--size", a.size, "--dtype", a.dtype, "--steps", str(a.steps)]
+    cmd += ["--gradients", a.gradients, "--workdir", a.workdir, "--examples", str(a.examples)]
+    got = subprocess.run(cmd, capture_output=True, text=True)
+    if got.returncode != 0:
+        raise SystemExit(f"{variant} failed:\n{got.stderr[-4000:]}")
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def memory_table(a) -> None:
+    chosen = a.only.split(",") if a.only else VARIANTS
+    if any(v in chosen for v in ("fisher", "fisher-columns")) and "select" not in chosen:
+        chosen = ["select"] + chosen
+    rows = {}
+    for v in chosen:
+        rows[v] = run_child(v, a)
+        print(json.dumps(rows[v]), file=sys.stderr, flush=True)
+    floor, full = rows.get("floor", {}).get("peak_mb"), rows.get("full", {}).get("peak_mb")
+    r0 = next(iter(rows.values()))
+    print(f"\n{r0['backend']}, {r0['size']} ({r0['parameters']:,} parameters), {r0['dtype']}, "
+          f"batch {BATCH} x {TOKENS} tokens, Adam, {a.steps} steps, gradients={a.gradients!r}\n")  # fmt: skip
+    print("| variant | trained elements | optimizer state | peak MB | excess | step s | exact |")
+    print("|---|---|---|---|---|---|---|")
+    for v, r in rows.items():
+        if v == "select":
+            continue
+        excess = "" if floor is None or full is None else f"{(r['peak_mb'] - floor) / (full - floor):.3f}"
+        exact = {True: "yes", False: "NO", None: "—"}[r.get("exact")]
+        print(f"| {v} | {r['trained']:,} | {r['optimizer_state']:,} | {r['peak_mb']:,.0f} | {excess} | "
+              f"{r['step_s']:.2f} | {exact} |")  # fmt: skip
+    if "select" in rows:
+        s = rows["select"]
+        per = s["seconds"] / s["examples"]
+        line = f"\nselect(score='fisher', budget=1 %): {s['examples']} examples in {s['seconds']:.1f} s ({per:.2f} s each)"
+        line += f", columns {s['seconds_columns']:.1f} s; peak {s['peak_mb']:,.0f} MB"
+        if full is not None:
+            line += f" ({s['peak_mb'] / full:.2f} x full fine-tuning's peak"
+            line += f"; full's step per example {rows['full']['step_s'] / BATCH:.2f} s)"
+        print(line)
+
+
+def time_table(a) -> None:
+    """Step times of every variant in one process, interleaved: rounds of ``steps`` each, medians, spread."""
+    import keras
+    import numpy as np
+
+    import finefreeze as ff
+
+    chosen = a.only.split(",") if a.only else ["floor", "lora", "rows", "columns", "scattered", "full"]
+    x, y = data(a.size)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    models = {}
+    for v in chosen:
+        model, backbone = build(a.size, a.dtype)
+        if v == "lora":
+            backbone.enable_lora(8)
+        plan = plan_for(v, model, a.size, a.workdir)
+        opt = keras.optimizers.Adam(1e-4) if plan is None else ff.Freezer(model, plan, gradients=a.gradients).wrap(
+            keras.optimizers.Adam(1e-4)
+        )
+        model.compile(optimizer=opt, loss=loss)
+        for _ in range(2):  # warm up: traces and compiles
+            model.train_on_batch(x, y)
+        models[v] = model
+    per = {v: [] for v in chosen}
+    for _ in range(a.rounds):
+        for v in chosen:
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                models[v].train_on_batch(x, y)
+            per[v].append((time.perf_counter() - t0) / a.steps)
+    base = "floor" if "floor" in per else chosen[0]
+    print(f"\n{keras.backend.backend()}, {a.size}, {a.dtype}: step time, {a.rounds} interleaved rounds x {a.steps} steps")
+    print(f"| variant | median step s | / {base} (min-max of rounds) | / lora |")
+    print("|---|---|---|---|")
+    for v in chosen:
+        ratios = [t / b for t, b in zip(per[v], per[base])]
+        lora = ""
+        if "lora" in per:
+            lr = [t / b for t, b in zip(per[v], per["lora"])]
+            lora = f"{statistics.median(lr):.2f} ({min(lr):.2f}-{max(lr):.2f})"
+        print(f"| {v} | {statistics.median(per[v]):.3f} | {statistics.median(ratios):.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}) | {lora} |")  # fmt: skip
+    del np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated variants (default: all)")
+    ap.add_argument("--size", default="152m", choices=list(SIZES))
+    ap.add_argument("--dtype", default="float32", help="dtype policy: float32, mixed_bfloat16, bfloat16")
+    ap.add_argument("--steps", type=int, default=4, help="training steps per variant (per round with --time)")
+    ap.add_argument("--gradients", default="auto", help="the Freezer's gradients= (auto, sliced, dense)")
+    ap.add_argument("--examples", type=int, default=16, help="examples the fisher selection scores")
+    ap.add_argument("--time", action="store_true", help="step times, interleaved in one process")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "finefreeze-llm-memory"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    os.makedirs(a.workdir, exist_ok=True)
+    if a.child:
+        a.variant = a.child
+        print(json.dumps(child(a)))
+    elif a.time:
+        time_table(a)
+    else:
+        memory_table(a)
+
+
+if __name__ == "__main__":
+    main()
