@@ -100,7 +100,7 @@ def plan_for(variant: str, model, size: str, workdir: str):
         rules = []
         for v in kernels(model):
             n = max(1, round(FRACTION * v.shape[-1]))
-            rules.append(ff.train(v.path + "[..., :%d]" % n))
+            rules.append(ff.train(f"{v.path}[..., :{n}]"))
         return ff.Plan(base + rules)
     if variant == "scattered":
         rng = np.random.default_rng(2)
@@ -208,7 +208,9 @@ def memory_table(a) -> None:
     if "select" in rows:
         s = rows["select"]
         per = s["seconds"] / s["examples"]
-        line = f"\nselect(score='fisher', budget=1 %): {s['examples']} examples in {s['seconds']:.1f} s ({per:.2f} s each)"
+        line = (
+            f"\nselect(score='fisher', budget=1 %): {s['examples']} examples in {s['seconds']:.1f} s ({per:.2f} s each)"
+        )
         line += f", columns {s['seconds_columns']:.1f} s; peak {s['peak_mb']:,.0f} MB"
         if full is not None:
             line += f" ({s['peak_mb'] / full:.2f} x full fine-tuning's peak"
@@ -232,8 +234,10 @@ def time_table(a) -> None:
         if v == "lora":
             backbone.enable_lora(8)
         plan = plan_for(v, model, a.size, a.workdir)
-        opt = keras.optimizers.Adam(1e-4) if plan is None else ff.Freezer(model, plan, gradients=a.gradients).wrap(
+        opt = (
             keras.optimizers.Adam(1e-4)
+            if plan is None
+            else ff.Freezer(model, plan, gradients=a.gradients).wrap(keras.optimizers.Adam(1e-4))
         )
         model.compile(optimizer=opt, loss=loss)
         for _ in range(2):  # warm up: traces and compiles
@@ -247,7 +251,9 @@ def time_table(a) -> None:
                 models[v].train_on_batch(x, y)
             per[v].append((time.perf_counter() - t0) / a.steps)
     base = "floor" if "floor" in per else chosen[0]
-    print(f"\n{keras.backend.backend()}, {a.size}, {a.dtype}: step time, {a.rounds} interleaved rounds x {a.steps} steps")
+    print(
+        f"\n{keras.backend.backend()}, {a.size}, {a.dtype}: step time, {a.rounds} interleaved rounds x {a.steps} steps"
+    )
     print(f"| variant | median step s | / {base} (min-max of rounds) | / lora |")
     print("|---|---|---|---|")
     for v in chosen:
