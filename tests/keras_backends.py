@@ -22,6 +22,7 @@ unless the test itself says otherwise, with a reason::
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import os
 import pathlib
 import sys
@@ -29,10 +30,28 @@ import sys
 import pytest
 
 HIDE = "FINEFREEZE_TESTS_WITHOUT_TENSORFLOW"
+
+
+class _PathFinderWithoutTensorFlow(importlib.machinery.PathFinder):
+    """Python's path finder, but TensorFlow is not on the path: as where it is not installed.
+
+    ``import tensorflow`` raises ``ModuleNotFoundError``, ``importlib.util.find_spec``
+    answers None and ``"tensorflow" in sys.modules`` is False, whichever way
+    Keras, KerasHub and PyTorch ask (a ``None`` in ``sys.modules`` would
+    answer the last one wrongly).
+    """
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname.split(".")[0] == "tensorflow":
+            return None
+        return super().find_spec(fullname, path, target)
+
+
 if os.environ.get(HIDE) == "1":
-    # Python's own way of saying a module is missing: every import raises ModuleNotFoundError and
-    # importlib.util.find_spec answers None, as Keras' and PyTorch's optional imports ask.
-    sys.modules["tensorflow"] = None
+    sys.meta_path[:] = [
+        _PathFinderWithoutTensorFlow if f is importlib.machinery.PathFinder else f for f in sys.meta_path
+    ]
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")

@@ -52,9 +52,13 @@ def test_no_selector_form_imports_tensorflow_where_it_is_installed():
 @pytest.mark.backends("jax", "torch", reason="the runs without TensorFlow are these backends'")
 def test_the_hiding_switch_makes_tensorflow_unimportable():
     """What the runs without TensorFlow rely on: Keras sees none, and importing it fails."""
-    code = "import keras_backends, keras; print(keras.src.utils.module_utils.tensorflow.available)"
+    code = (
+        "import importlib.util, sys, keras_backends, keras; "
+        "print(keras.src.utils.module_utils.tensorflow.available, importlib.util.find_spec('tensorflow'), "
+        "'tensorflow' in sys.modules)"
+    )
     got = run_on(BACKEND, "-c", code, hide=True)
-    assert got.returncode == 0 and got.stdout.strip() == "False", got.stdout + got.stderr[-2000:]
+    assert got.returncode == 0 and got.stdout.strip() == "False None False", got.stdout + got.stderr[-2000:]
     got = run_on(BACKEND, "-c", "import keras_backends, tensorflow", hide=True)
     assert got.returncode != 0 and "ModuleNotFoundError" in got.stderr, got.stderr[-2000:]
 
