@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from finefreeze._backends.questions import keras_backend
+from finefreeze._backends.questions import keras_backend, tensorflow_imported
 
-__all__ = ["global_state", "set_global_state"]
+__all__ = ["global_state", "set_global_state", "set_seed"]
 
 
 def global_state() -> np.ndarray | None:
@@ -30,3 +30,34 @@ def set_global_state(state: np.ndarray) -> None:
     import torch
 
     torch.set_rng_state(torch.from_numpy(np.asarray(state, dtype=np.uint8).copy()))
+
+
+def set_seed(seed: int) -> None:
+    """``keras.utils.set_random_seed(seed)``, without importing TensorFlow off its backend.
+
+    Keras seeds TensorFlow's generator whenever TensorFlow is installed, so
+    its ``set_random_seed`` imports it on JAX and PyTorch too (seconds, and
+    TensorFlow's notices on stderr). Off TensorFlow, and while nothing has
+    imported it, this seeds what Keras seeds but TensorFlow: Keras' global
+    seed (its ``SeedGenerator`` made anew from it), Python's, NumPy's and
+    PyTorch's generators.
+    """
+    import random
+
+    import keras
+
+    if keras_backend() == "tensorflow" or tensorflow_imported() is not None:
+        keras.utils.set_random_seed(seed)
+        return
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, seed)
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    random.seed(seed)
+    np.random.seed(seed)
+    if keras_backend() == "torch":
+        import torch
+
+        torch.manual_seed(seed)

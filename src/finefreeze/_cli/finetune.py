@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze._backends.randomness import set_seed
 from finefreeze._cli.epochs import plain, seed_states, shuffled
 from finefreeze._cli.inputs import check_model_file, data_kind, load_plan, plan_from_keras_file, training_inputs
 from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_preset
@@ -335,9 +336,9 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
 
     model_path, data, sequence_length = inputs
     opt = _optimizer(optimizer, lr)
-    keras.utils.set_random_seed(0)  # a preset's new head: the same command makes the same model
+    set_seed(0)  # a preset's new head: the same command makes the same model
     model, (x, y), val = training_inputs(model_path, data, sequence_length=sequence_length)
-    keras.utils.set_random_seed(0)  # dropout and friends: the same command trains the same model
+    set_seed(0)  # dropout and friends: the same command trains the same model
     frz = ff.Freezer(model, the_plan, strategy=strategy)
     out = stage.out
     files = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from finefreeze._backends.randomness import set_seed
 from finefreeze._cli.finetune import UserError, loss_for
 from finefreeze._cli.inputs import data_kind, training_inputs
 from finefreeze._cli.presets import new_head
@@ -45,9 +46,8 @@ def select_to_file(
     if model_path is not None and data_path is None:
         raise UserError(f"--data is required with a model ({data_kind(model_path)})")
     b = _budget(budget)
-    import keras
 
-    keras.utils.set_random_seed(0)  # a preset's new head as finetune makes it: the same command, the same plan
+    set_seed(0)  # a preset's new head as finetune makes it: the same command, the same plan
     model, (x, y), _ = training_inputs(model_path, data_path, sequence_length=sequence_length)
     loss, _ = loss_for(model, y)
     head = new_head(model)  # a preset's new head always trains: it starts random, and a delta must carry it

@@ -14,6 +14,8 @@ import os
 import keras
 import numpy as np
 
+from finefreeze._backends.randomness import set_seed
+
 __all__ = ["build_digits_model", "source_task", "target_task", "pretrained_digits_model", "WEIGHTS"]
 
 WEIGHTS = os.path.join(os.path.dirname(__file__), "digits_base.npz")
@@ -47,7 +49,7 @@ def build_digits_model(classes: int = 5, seed: int = 0) -> keras.Model:
         >>> m.count_params()
         1149125
     """
-    keras.utils.set_random_seed(seed)
+    set_seed(seed)
     x = inp = keras.Input((64,), name="pixels")
     x = keras.layers.Dense(HIDDEN, activation="relu", name="dense_1")(x)
     x = keras.layers.Dense(HIDDEN, activation="relu", name="dense_2")(x)

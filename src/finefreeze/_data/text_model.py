@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from finefreeze._backends.randomness import set_seed
 from finefreeze.layers import PositionEmbedding
 
 __all__ = [
@@ -42,7 +43,7 @@ def build_text_model(vocab: int = VOCAB + NEW_TOKENS, seed: int = 0):
     """
     from keras import layers
 
-    keras.utils.set_random_seed(seed)
+    set_seed(seed)
     d = 32
     tokens = keras.Input((SEQ,), dtype="int32", name="tokens")
     x = layers.Embedding(vocab, d, name="token_embedding")(tokens)
