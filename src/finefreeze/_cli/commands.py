@@ -362,7 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         how = " by SIGTERM" if isinstance(e, Terminated) else ""
         more = "".join(f"; {n}" for n in getattr(e, "__notes__", ()))
         print(f"{name}: interrupted{how}; no file was left half-written{more}", file=sys.stderr)
-        return 143 if isinstance(e, Terminated) else exit_code()
+        code = 143 if isinstance(e, Terminated) else exit_code()
+        if argv is None:  # the whole process: end it now; TensorFlow's threads, stopped mid-batch, may crash at exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover
