@@ -6,3 +6,6 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tests"))
 
 pytest_plugins = ["keras_backends"]
+
+# the sitecustomize that hides TensorFlow from the processes a run starts: never imported by the run itself
+collect_ignore = ["tests/hide_tensorflow"]

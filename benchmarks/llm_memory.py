@@ -18,8 +18,12 @@ Variants (trained elements at the default size in brackets):
 - ``fisher-columns``: the same budget in whole columns (``structure="columns"``);
 - ``select``: the fisher selection itself (its peak and its time per example).
 
-Each variant runs in a process of its own (peak memory is per process:
-``ru_maxrss``, which on a CPU holds every backend's buffers). ``excess`` is
+Each variant runs in a process of its own. ``peak MB`` is the training
+peak: the process's peak resident memory (``VmHWM``, which on a CPU holds
+every backend's buffers) from the first step on, counted from the memory in
+use once the model, its plan and the compiled optimizer exist (freed memory
+handed back, the peak started over: :func:`restart_peak`). ``plan MB`` is
+what making the ``Freezer`` added to the peak before that. ``excess`` is
 (peak - floor's peak) / (full's peak - floor's peak): the share of full
 fine-tuning's extra memory a variant pays. ``exact``: ``Freezer.verify()``
 passed (every frozen element bit-identical after the steps) and every
@@ -121,10 +125,12 @@ def child(a) -> dict:
     x, y = data(a.size)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = {"variant": a.variant, "backend": keras.backend.backend(), "size": a.size, "dtype": a.dtype}
+    out["stages_mb"] = stages = {"built": peak_mb()}
     out["parameters"] = int(sum(np.prod(v.shape) for v in model.weights))
     if a.variant == "select":
         xs, ys = data(a.size, n=a.examples, seed=3)
         model.compile(loss=loss)
+        out["peak_reset"] = restart_peak()
         t0 = time.perf_counter()
         plan = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
                          batch_size=BATCH, verbose=0)  # fmt: skip
@@ -147,24 +153,35 @@ def child(a) -> dict:
     else:
         frz = ff.Freezer(model, plan, gradients=a.gradients)
         opt = frz.wrap(keras.optimizers.Adam(1e-4))
+    stages["planned"] = peak_mb()
     model.compile(optimizer=opt, loss=loss)
-    before = {v.path: np.array(keras.ops.convert_to_numpy(v)) for v in kernels(model)} if frz else {}
+    out["peak_reset"] = restart_peak()
+    stages["before training"] = peak_mb()
+    # the trained elements' values only: a copy of every kernel would sit in memory through the steps
+    trained = {v.path: ~frz.frozen_mask(v.path) for v in kernels(model)} if frz else {}
+    before = {
+        p: np.asarray(keras.ops.convert_to_numpy(v))[trained[p]]
+        for p, v in ((v.path, v) for v in kernels(model))
+        if frz and trained[p].any()
+    }
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
         model.train_on_batch(x, y)
         times.append(time.perf_counter() - t0)
+        stages.setdefault("first step", peak_mb())
     out["step_s"] = statistics.median(times[1:]) if len(times) > 1 else times[0]
-    out["peak_mb"] = peak_mb()
+    out["peak_mb"] = stages["trained"] = peak_mb()
     out["trained"] = int(sum(np.prod(v.shape) for v in model.trainable_weights)) if frz is None else None
     out["optimizer_state"] = int(sum(np.prod(v.shape) for v in opt.variables if len(v.shape)))
     if frz is not None:
         rep = frz.report()
         out["trained"] = rep["totals"]["trainable_elements"]
         frz.verify()
+        stages["verified"] = peak_mb()
         moved = all(
-            not np.array_equal(before[v.path][~frz.frozen_mask(v.path)], keras.ops.convert_to_numpy(v)[~frz.frozen_mask(v.path)])
-            for v in kernels(model) if (~frz.frozen_mask(v.path)).any()
+            not np.array_equal(before[v.path], np.asarray(keras.ops.convert_to_numpy(v))[trained[v.path]])
+            for v in kernels(model) if v.path in before
         )  # fmt: skip
         out["exact"] = bool(moved)
         out["gradients"] = sorted({v.get("gradient", "dense") for v in rep["variables"] if v["state"] == "partial"})
@@ -172,7 +189,33 @@ def child(a) -> dict:
 
 
 def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's peak resident memory since it started, or since :func:`restart_peak`, in MB (``VmHWM``)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def restart_peak() -> bool:
+    """Hand freed memory back to the system and start the peak over from the memory in use now (Linux).
+
+    Building a model and resolving its plan leave freed pages the C allocator
+    keeps; they would blur the training peak by a few hundred MB from run to
+    run. ``malloc_trim`` returns them; writing 5 to ``/proc/self/clear_refs``
+    resets ``VmHWM`` to the resident memory now.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def run_child(variant: str, a) -> dict:
@@ -196,15 +239,16 @@ def memory_table(a) -> None:
     r0 = next(iter(rows.values()))
     print(f"\n{r0['backend']}, {r0['size']} ({r0['parameters']:,} parameters), {r0['dtype']}, "
           f"batch {BATCH} x {TOKENS} tokens, Adam, {a.steps} steps, gradients={a.gradients!r}\n")  # fmt: skip
-    print("| variant | trained elements | optimizer state | peak MB | excess | step s | exact |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | trained elements | optimizer state | peak MB | excess | plan MB | step s | exact |")
+    print("|---|---|---|---|---|---|---|---|")
     for v, r in rows.items():
         if v == "select":
             continue
         excess = "" if floor is None or full is None else f"{(r['peak_mb'] - floor) / (full - floor):.3f}"
         exact = {True: "yes", False: "NO", None: "—"}[r.get("exact")]
+        plan = r["stages_mb"]["planned"] - r["stages_mb"]["built"]
         print(f"| {v} | {r['trained']:,} | {r['optimizer_state']:,} | {r['peak_mb']:,.0f} | {excess} | "
-              f"{r['step_s']:.2f} | {exact} |")  # fmt: skip
+              f"{plan:,.0f} | {r['step_s']:.2f} | {exact} |")  # fmt: skip
     if "select" in rows:
         s = rows["select"]
         per = s["seconds"] / s["examples"]

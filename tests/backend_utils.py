@@ -98,3 +98,37 @@ def train_step(opt, variables, loss_fn, mode):
             v.assign(value)
 
     return jitted
+
+
+def weights_of(obj) -> list:
+    """``obj.weights`` without the stand-ins a Freezer's sliced layers hold (the model's own weights)."""
+    from finefreeze._resolve.standins import held
+
+    return [v for v in obj.weights if not held(v)]
+
+
+def as_kernel_gradients(frz, variables, grads) -> dict:
+    """``{path: gradient}`` of the model's own variables, as a training step has them.
+
+    A sliced layer hands the gradient of a kernel's trained elements to its
+    stand-in and none to the kernel: the stand-in's gradient is put back at
+    those elements of a kernel-shaped array (zero elsewhere), the kernel's
+    own (None, or JAX's zeros) is left out.
+    """
+    from finefreeze._resolve.standins import kernel_of
+
+    out = {}
+    for v, g in zip(variables, grads):
+        kernel = kernel_of(v)
+        if g is not None and type(g).__name__ == "IndexedSlices":
+            import tensorflow as tf
+
+            g = tf.convert_to_tensor(g)
+        value = None if g is None else np.array(keras.ops.convert_to_numpy(g), copy=True)
+        if kernel is None:
+            out.setdefault(v.path, value)
+            continue
+        full = np.zeros(tuple(kernel.shape), value.dtype)
+        full.reshape(-1)[np.flatnonzero(~frz.frozen_mask(kernel.path))] = value
+        out[kernel.path] = full
+    return out

@@ -22,36 +22,20 @@ unless the test itself says otherwise, with a reason::
 from __future__ import annotations
 
 import ast
-import importlib.machinery
+import importlib.util
 import os
 import pathlib
-import sys
 
 import pytest
 
 HIDE = "FINEFREEZE_TESTS_WITHOUT_TENSORFLOW"
 
 
-class _PathFinderWithoutTensorFlow(importlib.machinery.PathFinder):
-    """Python's path finder, but TensorFlow is not on the path: as where it is not installed.
-
-    ``import tensorflow`` raises ``ModuleNotFoundError``, ``importlib.util.find_spec``
-    answers None and ``"tensorflow" in sys.modules`` is False, whichever way
-    Keras, KerasHub and PyTorch ask (a ``None`` in ``sys.modules`` would
-    answer the last one wrongly).
-    """
-
-    @classmethod
-    def find_spec(cls, fullname, path=None, target=None):
-        if fullname.split(".")[0] == "tensorflow":
-            return None
-        return super().find_spec(fullname, path, target)
-
-
-if os.environ.get(HIDE) == "1":
-    sys.meta_path[:] = [
-        _PathFinderWithoutTensorFlow if f is importlib.machinery.PathFinder else f for f in sys.meta_path
-    ]
+if os.environ.get(HIDE) == "1":  # here, and in every process started from here (their sitecustomize)
+    _HIDING = pathlib.Path(__file__).resolve().parent / "hide_tensorflow"
+    _spec = importlib.util.spec_from_file_location("_hide_tensorflow", _HIDING / "sitecustomize.py")
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(_HIDING)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")

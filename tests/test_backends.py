@@ -20,7 +20,11 @@ BACKEND = keras.backend.backend()
 
 def run_on(backend: str, *args: str, cwd=ROOT, timeout=600, hide: bool | None = None, **env_vars: str):
     """``python *args`` on ``backend``; ``hide``: TensorFlow unimportable (None: as in this run)."""
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")]))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=backend,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
     env.update(env_vars)
     if hide is not None:
         env.pop(HIDE, None)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import weights_of
 
 X = np.random.default_rng(0).normal(size=(16, 8, 8, 3)).astype("float32")
 Y = np.random.default_rng(1).normal(size=(16, 2)).astype("float32")
@@ -32,7 +33,7 @@ def fit(model, optimizer):
 
 
 def same(a, b):
-    for va, vb in zip(a.weights, b.weights):
+    for va, vb in zip(weights_of(a), weights_of(b)):
         assert np.array_equal(va.numpy(), vb.numpy()), va.path
 
 
@@ -41,11 +42,11 @@ def test_frozen_is_keras_bn_trainable_false():
     for bn in bns(ref):
         bn.trainable = False
     fit(ref, keras.optimizers.Adam(1e-2))
-    before = {v.path: v.numpy().copy() for v in model.weights}
+    before = {v.path: v.numpy().copy() for v in weights_of(model)}
     frz = ff.Freezer(model, ff.Plan([], batchnorm="frozen"))
     fit(model, frz.wrap(keras.optimizers.Adam(1e-2)))
     same(ref, model)
-    assert all(np.array_equal(v.numpy(), before[v.path]) for bn in bns(model) for v in bn.weights)
+    assert all(np.array_equal(v.numpy(), before[v.path]) for bn in bns(model) for v in weights_of(bn))
     frz.verify()
     assert "batchnorm='frozen'" in frz.summary() and frz.report()["batchnorm"].startswith("BatchNormalization")
 
@@ -66,7 +67,7 @@ def test_stats_freezes_gamma_beta_and_keeps_updating_statistics():
     for bn in bns(ref):
         bn.gamma.trainable = bn.beta.trainable = False
     fit(ref, keras.optimizers.Adam(1e-2))
-    before = {v.path: v.numpy().copy() for v in model.weights}
+    before = {v.path: v.numpy().copy() for v in weights_of(model)}
     frz = ff.Freezer(model, ff.Plan([], batchnorm="stats"))
     fit(model, frz.wrap(keras.optimizers.Adam(1e-2)))
     same(ref, model)
@@ -132,12 +133,12 @@ def test_gradual_unfreezing_keeps_the_plans_batchnorm_option():
     m = keras.Sequential([*layers, keras.layers.Dense(2, name="head")], name="m")
     frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train("**/head/**")], batchnorm="frozen"))
     m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.05)), loss="mse")
-    bn = {v.path: np.array(v.numpy(), copy=True) for v in m.weights if "_bn/" in v.path}
+    bn = {v.path: np.array(v.numpy(), copy=True) for v in weights_of(m) if "_bn/" in v.path}
     kernel = np.array(m.get_layer("block2").kernel.numpy(), copy=True)
     x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
     cb = ff.callbacks.GradualUnfreezing(["**/block2*/**", "**/block1*/**"])
     m.fit(x, np.ones((16, 2), "float32"), epochs=3, batch_size=8, verbose=0, callbacks=[cb])
     assert frz.plan.batchnorm == "frozen"
-    assert all(np.array_equal(bn[p], v.numpy()) for p, v in ((v.path, v) for v in m.weights if v.path in bn))
+    assert all(np.array_equal(bn[p], v.numpy()) for p, v in ((v.path, v) for v in weights_of(m) if v.path in bn))
     assert not np.array_equal(m.get_layer("block2").kernel.numpy(), kernel)  # released: trained
     frz.verify()

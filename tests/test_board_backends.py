@@ -179,7 +179,11 @@ def test_freezeboard_never_imports_tensorflow_off_the_tensorflow_backend(tmp_pat
         print(keras.backend.backend(), "tensorflow" in sys.modules)
         """
     )
-    env = dict(os.environ, KERAS_BACKEND=BACKEND, PYTHONPATH=str(ROOT / "src"))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=BACKEND,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     # TensorFlow is there on its own backend only: neither FreezeBoard nor tensorboard's writer imports it

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import weights_of
 from finefreeze._cli.commands import main
 
 
@@ -36,7 +37,7 @@ def load(path):
 
 
 def raw(model):
-    return {v.path: np.array(v.numpy(), copy=True) for v in model.weights}
+    return {v.path: np.array(v.numpy(), copy=True) for v in weights_of(model)}
 
 
 @pytest.fixture(scope="module")

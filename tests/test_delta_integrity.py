@@ -11,11 +11,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import finefreeze as ff
+from backend_utils import weights_of
 from conftest import mlp
 
 
 def snapshot(model):
-    return [np.array(v.numpy(), copy=True) for v in model.weights]
+    return [np.array(v.numpy(), copy=True) for v in weights_of(model)]
 
 
 def same(a, b):
@@ -83,7 +84,7 @@ def test_every_flipped_byte_is_refused_or_harmless(tmp_path):
             flipped = bytearray(data)
             flipped[pos] ^= bits
             damaged.write_bytes(bytes(flipped))
-            for v, p in zip(base.weights, pristine):
+            for v, p in zip(weights_of(base), pristine):
                 v.assign(p)
             try:
                 ff.load_delta(base, damaged)
@@ -105,7 +106,7 @@ def test_spread_flips_of_the_bundled_delta_are_refused_or_harmless(tmp_path):
     base, tuned = build_text_model(), build_text_model()
     frz = ff.Freezer(tuned, ff.Plan.from_dict(DEFAULT_PLAN))
     rng = np.random.default_rng(1)
-    for v in tuned.weights:  # stand-in for training: move exactly the trainable elements
+    for v in weights_of(tuned):  # stand-in for training: move exactly the trainable elements
         v.assign(np.where(frz.frozen_mask(v.path), v.numpy(), rng.normal(size=v.shape).astype(v.dtype)))
     path = tmp_path / "d.safetensors"
     frz.save_delta(path)
@@ -122,7 +123,7 @@ def test_spread_flips_of_the_bundled_delta_are_refused_or_harmless(tmp_path):
             assert same(snapshot(base), pristine), f"byte {pos}: refused but the base changed"
             continue
         assert same(snapshot(base), want), f"byte {pos}: applied with another result"
-        for v, p in zip(base.weights, pristine):
+        for v, p in zip(weights_of(base), pristine):
             v.assign(p)
 
 

@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import finefreeze as ff
+from backend_utils import weights_of
 from conftest import N_LOGICAL_CPUS
 from finefreeze._backends.distribute import replica_values
 
@@ -53,7 +54,7 @@ def make(plan=PLAN, strategy="restore", opt=None, policy="float32", gradients="d
 
 def check_replicas(model, frz, before):
     """Frozen elements bit-identical on every replica; every replica identical to the first."""
-    for v in model.weights:
+    for v in weights_of(model):
         copies = replica_values(v)
         assert len(copies) > 1, v.path
         frozen = frz.frozen_mask(v.path)
@@ -87,14 +88,14 @@ def test_mirrored_fit_is_exact_on_every_replica_and_matches_one_device(strategy,
     opt, policy, tol = VARIANTS[variant]
     with mirrored().scope():
         model, frz = make(strategy=strategy, opt=opt, policy=policy)
-    before = {v.path: v.numpy().copy() for v in model.weights}
+    before = {v.path: v.numpy().copy() for v in weights_of(model)}
     model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     check_replicas(model, frz, before)
     assert not np.array_equal(before["net/a/kernel"][2:], model.get_layer("a").kernel.numpy()[2:])
     if tol is not None:  # trainable elements follow a one-device run on the same global batch
         single, _ = make(strategy=strategy, opt=opt, policy=policy)
         single.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-        for a, b in zip(model.weights, single.weights):
+        for a, b in zip(weights_of(model), weights_of(single)):
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=tol, atol=tol, err_msg=a.path)
 
 
@@ -103,12 +104,12 @@ def test_mirrored_fit_of_a_sliced_kernel_is_exact_on_every_replica_and_matches_o
     with mirrored().scope():
         model, frz = make(plan=sliced, strategy="auto", gradients="sliced")
     assert "_finefreeze_sliced" in model.get_layer("a").__dict__  # the slice's own weight gradient
-    before = {v.path: v.numpy().copy() for v in model.weights}
+    before = {v.path: v.numpy().copy() for v in weights_of(model)}
     model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     check_replicas(model, frz, before)
     single, _ = make(plan=sliced, strategy="auto", gradients="sliced")
     single.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for a, b in zip(model.weights, single.weights):
+    for a, b in zip(weights_of(model), weights_of(single)):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5, err_msg=a.path)
 
 
@@ -124,14 +125,14 @@ def test_mirrored_fit_of_sampled_elements_is_exact_on_every_replica_and_matches_
         model, frz = make(plan=plan, strategy="auto", opt=sgd, gradients="sliced", inputs=n, units=n)
     kinds = {v["path"]: (v["gradient"], v["strategy"]) for v in frz.report()["variables"]}
     assert kinds["net/a/kernel"] == ("sampled", "compact"), kinds
-    before = {v.path: v.numpy().copy() for v in model.weights}
+    before = {v.path: v.numpy().copy() for v in weights_of(model)}
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     check_replicas(model, frz, before)
     moved = model.get_layer("a").kernel.numpy() != before["net/a/kernel"]
     assert moved.sum() == n and not moved[frz.frozen_mask("net/a/kernel")].any()
     single, _ = make(plan=plan, strategy="auto", opt=sgd, gradients="dense", inputs=n, units=n)
     single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    for a, b in zip(model.weights, single.weights):
+    for a, b in zip(weights_of(model), weights_of(single)):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5, err_msg=a.path)
 
 
@@ -152,7 +153,7 @@ def test_mirrored_custom_loop_matches_one_device(strategy):
             grads = tape.gradient(loss, frz.trainable_variables)
             opt.apply_gradients(zip(grads, frz.trainable_variables))
 
-        before = {v.path: v.numpy().copy() for v in model.weights}
+        before = {v.path: v.numpy().copy() for v in weights_of(model)}
         if dist:
             fn = tf.function(lambda x, y: dist.run(step, args=(x, y)))
             for x, y in dist.experimental_distribute_dataset(ds):
@@ -166,7 +167,7 @@ def test_mirrored_custom_loop_matches_one_device(strategy):
     model, frz, before = run(mirrored())
     check_replicas(model, frz, before)
     single, _, _ = run(None)
-    for a, b in zip(model.weights, single.weights):
+    for a, b in zip(weights_of(model), weights_of(single)):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=a.path)
 
 
@@ -188,7 +189,7 @@ def test_mean_aggregated_variable_partially_frozen_over_three_replicas_stays_exa
         assert model.get_layer("mv").w.aggregation == "mean"
         frz = ff.Freezer(model, ff.Plan([ff.freeze("**/mv/w"), ff.train("**/mv/w[1:3, ::2]")]), strategy=strategy)
         model.compile(optimizer=frz.wrap(keras.optimizers.AdamW(0.3, weight_decay=0.1)), loss="mse")
-    before = {v.path: v.numpy().copy() for v in model.weights}
+    before = {v.path: v.numpy().copy() for v in weights_of(model)}
     y = np.random.default_rng(2).normal(size=(64, 4)).astype("float32") * 3.3
     model.fit(X, y, batch_size=24, epochs=3, verbose=0)  # 8 per replica
     check_replicas(model, frz, before)
@@ -201,7 +202,7 @@ def test_update_under_mirrored_strategy():
         model, frz = make()
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     frz.update(ff.Plan([ff.freeze("**/b/**"), ff.freeze("**/a/kernel[3:]")]))
-    before = {v.path: v.numpy().copy() for v in model.weights}
+    before = {v.path: v.numpy().copy() for v in weights_of(model)}
     model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
     check_replicas(model, frz, before)
     assert not np.array_equal(before["net/a/kernel"][:3], model.get_layer("a").kernel.numpy()[:3])
@@ -222,10 +223,10 @@ def test_freezer_outside_the_scope_is_a_clear_error_and_changes_nothing():
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, name="a")], name="net")
-    flags = [v.trainable for v in model.weights]
+    flags = [v.trainable for v in weights_of(model)]
     with pytest.raises(ff.DistributionError, match=r"outside its scope.*MirroredStrategy.*strategy.scope\(\)"):
         ff.Freezer(model, ff.Plan([ff.freeze("**/a/bias")]))
-    assert [v.trainable for v in model.weights] == flags
+    assert [v.trainable for v in weights_of(model)] == flags
     other = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # never runs a step
     with other.scope(), pytest.raises(ff.DistributionError, match="in the scope of another MirroredStrategy"):
         ff.Freezer(model, ff.Plan([ff.freeze("**/a/bias")]))

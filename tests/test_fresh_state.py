@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import weights_of
 from finefreeze._backends.questions import keras_backend
 
 K, J = 7, 5  # steps before the release, steps after it
@@ -84,7 +85,7 @@ def released_run(make, plan_before, plan_after, strategy="auto", step_count="rel
     opt = frz.wrap(make(), step_count=step_count)
     opt.build(frz.trainable_variables)
     train(frz, opt, m, K, 0)
-    at_release = [raw(v) for v in m.weights]
+    at_release = [raw(v) for v in weights_of(m)]
     frz.update(plan_after)
     train(frz, opt, m, J, K)
     return m, frz, opt, at_release
@@ -105,13 +106,13 @@ def released_run(make, plan_before, plan_after, strategy="auto", step_count="rel
 )
 def test_a_released_layer_moves_as_under_a_fresh_optimizer(make):
     m, frz, opt, at_release = released_run(make, ff.Plan([ff.freeze("**/a/**")]), ff.Plan([]))
-    a = m.weights[:2]
+    a = weights_of(m)[:2]
     start = [raw(v) for v in model().weights if "/a/" in v.path]
     assert all(np.array_equal(s, x) for s, x in zip(start, at_release[:2]))  # frozen until the release
-    want = fresh_run(make, start, [grads_for(m.weights, s)[:2] for s in range(K, K + J)])
+    want = fresh_run(make, start, [grads_for(weights_of(m), s)[:2] for s in range(K, K + J)])
     assert all(same(raw(v), w) for v, w in zip(a, want))
-    b = m.weights[2:]
-    grads_b = [grads_for(m.weights, s)[2:] for s in range(K + J)]
+    b = weights_of(m)[2:]
+    grads_b = [grads_for(weights_of(m), s)[2:] for s in range(K + J)]
     plain = fresh_run(make, [raw(v) for v in model().weights[2:]], grads_b)
     assert all(same(raw(v), w) for v, w in zip(b, plain))  # trained all along: Keras' own count
     assert [int(raw(e.born)) if e.born is not None else 0 for e in opt.enforcers] == [K, K, 0, 0]
@@ -124,9 +125,9 @@ def test_released_elements_of_a_training_kernel_move_as_under_a_fresh_optimizer(
     before = ff.Plan([ff.freeze("**/a/kernel[:, :3]"), ff.freeze("**/b/**")])
     after = ff.Plan([ff.freeze("**/a/kernel[:, :1]"), ff.freeze("**/b/**")])
     m, frz, opt, at_release = released_run(make, before, after, strategy=strategy)
-    kernel = raw(m.weights[0])
+    kernel = raw(weights_of(m)[0])
     start = raw(model().weights[0])
-    grads = [grads_for(m.weights, s)[0] for s in range(K + J)]
+    grads = [grads_for(weights_of(m), s)[0] for s in range(K + J)]
     bound = MIXED_AGES if name == "Adam" else NADAM_MIXED_AGES
     released = fresh_run(make, [at_release[0][:, 1:3]], [[g[:, 1:3]] for g in grads[K:]])[0]
     assert same(kernel[:, 1:3], released, bound)
@@ -143,11 +144,11 @@ def test_step_count_global_keeps_keras_count():
     make = lambda: keras.optimizers.Adam(0.05)  # noqa: E731
     m, frz, opt, at_release = released_run(make, ff.Plan([ff.freeze("**/a/**")]), ff.Plan([]), step_count="global")
     start = [raw(v) for v in model().weights[:2]]
-    grads = [grads_for(m.weights, s)[:2] for s in range(K, K + J)]
+    grads = [grads_for(weights_of(m), s)[:2] for s in range(K, K + J)]
     keras_count = fresh_run(make, start, grads, iterations=K)
-    assert all(same(raw(v), w) for v, w in zip(m.weights[:2], keras_count))
+    assert all(same(raw(v), w) for v, w in zip(weights_of(m)[:2], keras_count))
     fresh = fresh_run(make, start, grads)
-    assert not np.array_equal(raw(m.weights[0]), fresh[0])
+    assert not np.array_equal(raw(weights_of(m)[0]), fresh[0])
     assert all(e.born is None for e in opt.enforcers)
 
 
@@ -169,16 +170,16 @@ def test_a_second_release_into_a_counted_kernel_is_written_in_place():
     frz.update(plans[1])
     assert frz.history[-1]["retraced"]  # the first release makes the step counts
     train(frz, opt, m, 2, K)
-    at_second = raw(m.weights[0])[:, 2:3]
+    at_second = raw(weights_of(m)[0])[:, 2:3]
     frz.update(plans[2])
     assert not frz.history[-1]["retraced"]  # later ones write into them
     train(frz, opt, m, J, K + 2)
     born = raw(next(e.born for e in opt.enforcers))
     assert born[:, 2].tolist() == [K + 2] * 6 and born[:, 3].tolist() == [K] * 6 and born[:, 4].tolist() == [0] * 6
-    grads = [grads_for(m.weights, s)[0] for s in range(K + 2 + J)]
+    grads = [grads_for(weights_of(m), s)[0] for s in range(K + 2 + J)]
     # the column released second moves as a fresh optimizer from its own release
     released = fresh_run(make, [at_second], [[g[:, 2:3]] for g in grads[K + 2 :]])[0]
-    assert same(raw(m.weights[0])[:, 2:3], released, MIXED_AGES)
+    assert same(raw(weights_of(m)[0])[:, 2:3], released, MIXED_AGES)
 
 
 @pytest.mark.parametrize("name", ["Adam", "Nadam"])
@@ -194,6 +195,6 @@ def test_release_steps_survive_a_checkpoint(tmp_path, name):
     m2.compile(optimizer=opt2, loss="mse")
     m2.load_weights(tmp_path / "w.weights.h5")
     train(frz2, opt2, m2, 3, K + J)
-    assert [raw(w).tobytes() for w in m.weights] == [raw(w).tobytes() for w in m2.weights]
+    assert [raw(w).tobytes() for w in weights_of(m)] == [raw(w).tobytes() for w in weights_of(m2)]
     assert [raw(w).tobytes() for w in opt.variables] == [raw(w).tobytes() for w in opt2.variables]
     assert [int(raw(e.born)) if e.born is not None else 0 for e in opt2.enforcers] == [K, K, 0, 0]

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf  # noqa: E402  (KerasHub's tokenizers run on tf.text; a TensorFlow-only file)
 
 import finefreeze as ff
+from backend_utils import weights_of
 
 pytestmark = pytest.mark.backends("tensorflow", reason="KerasHub's tokenizers run on tf.text")
 
@@ -49,7 +50,7 @@ def raw(v):
 
 
 def values(model):
-    return {v.path: raw(v) for v in model.weights}
+    return {v.path: raw(v) for v in weights_of(model)}
 
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -69,7 +70,7 @@ def test_new_token_rows_and_the_head_train_on_raw_strings_as_plain_keras_would()
     # table's (sparse) gradient zero on the pretrained rows, so Adam moves them by exactly 0
     ref = classifier(VOCAB + NEW)
     table = ref.backbone.get_layer("token_embedding").embeddings
-    train = [table, *ref.get_layer("logits").weights]
+    train = [table, *weights_of(ref.get_layer("logits"))]
     opt = keras.optimizers.Adam(1e-2)
     for _ in range(2):
         for s in range(0, len(TEXTS), 3):
@@ -114,7 +115,7 @@ def test_a_delta_of_a_tuned_task_reproduces_it_on_a_fresh_from_preset_model(tmp_
     assert type(fresh) is type(model)
     assert not np.array_equal(raw(fresh.get_layer("logits").kernel), raw(model.get_layer("logits").kernel))
     ff.load_delta(fresh, tmp_path / "delta.safetensors")
-    for v, w in zip(model.weights, fresh.weights):
+    for v, w in zip(weights_of(model), weights_of(fresh)):
         assert np.array_equal(raw(v), raw(w)), v.path
     assert np.array_equal(fresh.predict(TEXTS, verbose=0), model.predict(TEXTS, verbose=0))
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import gradients
+from backend_utils import gradients, weights_of
 
 PLAN = ff.Plan([ff.freeze("**"), ff.train("**/lora_kernel_*"), ff.train("**/d/kernel[:, 1]"), ff.train("**/head/**")])
 
@@ -78,18 +78,18 @@ def test_lora_plus_sparse_base_elements_train_as_plain_keras_would():
     ref.get_layer("d")._kernel.trainable = True
     train = [
         ref.get_layer("d")._kernel,
-        *[v for v in ref.weights if "lora_kernel" in v.path or v.path.startswith("head/")],
+        *[v for v in weights_of(ref) if "lora_kernel" in v.path or v.path.startswith("head/")],
     ]
     ref_opt = keras.optimizers.Adam(0.02)
-    start = [raw(v) for v in m.weights]
+    start = [raw(v) for v in weights_of(m)]
     for _ in range(6):
         variables = frz.trainable_variables
         opt.apply(gradients(lambda: loss(y, m(x, training=True)), variables), variables)
         g = gradients(lambda: loss(y, ref(x, training=True)), train)
         g[0] = keras.ops.where(frozen_cols, keras.ops.zeros_like(g[0]), g[0])
         ref_opt.apply(g, train)
-    got = {v.path: raw(v) for v in m.weights}
-    want = {v.path: raw(v) for v in ref.weights}
+    got = {v.path: raw(v) for v in weights_of(m)}
+    want = {v.path: raw(v) for v in weights_of(ref)}
     assert {p: got[p].tobytes() for p in got} == {p: want[p].tobytes() for p in want}
     kernel = got["d/kernel"]
     assert np.array_equal(kernel[frozen_cols], start[0][frozen_cols])  # frozen base elements, to the bit
@@ -104,7 +104,7 @@ def test_fit_trains_adapters_and_chosen_base_elements_and_nothing_else():
     frz = ff.Freezer(m, plan)
     chosen = {s.path for s in frz.resolution.states if s.state == "partial"}
     assert "d/kernel" in chosen  # the sparse part may sit in the base kernel under LoRA
-    before = {v.path: raw(v) for v in m.weights}
+    before = {v.path: raw(v) for v in weights_of(m)}
     m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(0.01)), loss="mse")
     m.fit(x, y, epochs=2, batch_size=8, verbose=0)
     frz.verify()

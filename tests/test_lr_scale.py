@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import weights_of
 from optimizers import OPTIMIZERS
 
 # Steps are differences of weights near 1: float32 rounds them to about 1e-7.
@@ -116,5 +117,5 @@ def test_lr_scale_survives_save_and_load(tmp_path):
     loaded = keras.models.load_model(tmp_path / "m.keras")
     model.fit(x, y, epochs=2, verbose=0, shuffle=False)
     loaded.fit(x, y, epochs=2, verbose=0, shuffle=False)
-    for a, b in zip(model.weights, loaded.weights):
+    for a, b in zip(weights_of(model), weights_of(loaded)):
         assert np.array_equal(a.numpy(), b.numpy()), a.path

@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.util.tensor_util import make_ndarray
 
 import finefreeze as ff
+from backend_utils import weights_of
 
 pytestmark = pytest.mark.backends("tensorflow", reason="the files hold TensorFlow optimizer variables")
 
@@ -58,7 +59,7 @@ def test_a_saved_model_resumes_training_with_its_frozen_elements_bit_identical()
     assert frz is not None
     frz.verify()
     assert frz.strategy_for("head/kernel") == "compact" and frz.strategy_for("mid/kernel") == "restore"
-    saved = {v.path: np.array(v.numpy(), copy=True) for v in model.weights}
+    saved = {v.path: np.array(v.numpy(), copy=True) for v in weights_of(model)}
     data = np.load(HERE / "data.npz")
     model.fit(data["x"], data["y"], batch_size=32, epochs=2, shuffle=False, verbose=0)
     frz.verify()
@@ -85,7 +86,7 @@ def test_the_delta_applies_to_its_base_and_the_plan_files_load(tmp_path):
     base.load_weights(HERE / "base.weights.h5")
     ff.load_delta(base, HERE / "delta.safetensors")
     tuned = keras.models.load_model(HERE / "mid_training.keras")
-    for a, b in zip(base.weights, tuned.weights):
+    for a, b in zip(weights_of(base), weights_of(tuned)):
         assert _same(np.asarray(a.numpy()), np.asarray(b.numpy())), a.path
     for name in ("plan.json", "plan.toml"):
         assert ff.Plan.load(HERE / name) == maker.plan(), name

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import gradients
+from backend_utils import gradients, weights_of
 from conftest import mlp
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -29,12 +29,12 @@ class Checker(keras.callbacks.Callback):
         self.frz, self.masks, self.values, self.checked = frz, [], [], 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.before = {v.path: np.array(v.numpy(), copy=True) for v in self.model.weights}
+        self.before = {v.path: np.array(v.numpy(), copy=True) for v in weights_of(self.model)}
         self.values.append(self.before)
         self.masks.append({p: self.frz.frozen_mask(p) for p in self.before})
 
     def on_train_batch_end(self, batch, logs=None):
-        for v in self.model.weights:
+        for v in weights_of(self.model):
             fm = self.masks[-1][v.path]
             assert np.array_equal(self.before[v.path][fm], v.numpy()[fm]), v.path
             self.checked += int(fm.sum())
@@ -46,7 +46,7 @@ def run(strategy, optimizer, epochs=4):
     plan = ff.select(m, (x, y), budget=0.1, score="fisher", loss=LOSS, include="**/head/**", verbose=0)
     frz = ff.Freezer(m, plan, strategy=strategy)
     m.compile(optimizer=frz.wrap(optimizer), loss=LOSS)
-    start = [np.array(v.numpy(), copy=True) for v in m.weights]
+    start = [np.array(v.numpy(), copy=True) for v in weights_of(m)]
     checker = Checker(frz)
     cb = ff.callbacks.Reselect((x, y), every=3, fraction=0.3, batches=2, batch_size=16)
     m.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=[checker, cb])
@@ -64,7 +64,7 @@ def test_reselection_swaps_elements_and_frozen_elements_never_move(strategy):
     assert len(counts) == 1  # each variable keeps its number of trained elements
     masks = checker.masks
     assert any(not np.array_equal(masks[0][p], masks[-1][p]) for p in masks[0])
-    for v, s in zip(m.weights, start):  # never trained at all: bit-identical to the start
+    for v, s in zip(weights_of(m), start):  # never trained at all: bit-identical to the start
         never = np.logical_and.reduce([mk[v.path] for mk in masks])
         assert np.array_equal(s[never], v.numpy()[never]), v.path
     # compact too: each variable keeps its count; the first swap into a variable makes its step counts
@@ -80,13 +80,13 @@ def test_drop_is_least_moved_and_regrow_is_largest_gradient():
     before, after = checker.masks[2], checker.masks[3]  # masks of step 3 and step 4
     values = checker.values[3]  # the values the swap saw (a swap changes masks, not values)
     m2 = mlp(units=(16, 16, 4))
-    for v in m2.weights:
+    for v in weights_of(m2):
         v.assign(values[v.path])
-    gsum = {v.path: np.zeros(v.shape, np.float64) for v in m2.weights}
+    gsum = {v.path: np.zeros(v.shape, np.float64) for v in weights_of(m2)}
     for s in range(0, 32, 16):  # batches=2 of batch_size=16
-        for v, g in zip(m2.weights, gradients(lambda s=s: LOSS(y[s : s + 16], m2(x[s : s + 16])), m2.weights)):
+        for v, g in zip(weights_of(m2), gradients(lambda s=s: LOSS(y[s : s + 16], m2(x[s : s + 16])), weights_of(m2))):
             gsum[v.path] += np.abs(np.asarray(keras.ops.convert_to_numpy(g), np.float64))
-    for v, s0 in zip(m2.weights, start):
+    for v, s0 in zip(weights_of(m2), start):
         p = v.path
         tr_b, tr_a = ~before[p], ~after[p]
         if p not in swap["swapped"]:
@@ -116,17 +116,17 @@ def test_trained_values_follow_a_hand_written_masked_adam_with_fresh_state_for_r
     b1, b2, eps, lr = 0.9, 0.999, 1e-7, 1e-2
     for t, masks in enumerate(checker.masks, start=1):
         if t > 1:  # newly trainable elements start from zero moments and count steps from now
-            for i, v in enumerate(ref.weights):
+            for i, v in enumerate(weights_of(ref)):
                 new = checker.masks[t - 2][v.path] & ~masks[v.path]
                 mom[i][new] = 0
                 vel[i][new] = 0
                 born[i][new] = t - 1
-        for a, b in zip(ref.weights, w):
+        for a, b in zip(weights_of(ref), w):
             a.assign(b.astype("float32"))
         step = (t - 1) % 6
         xs, ys = x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8]
-        g_all = gradients(lambda xs=xs, ys=ys: LOSS(ys, ref(xs, training=True)), ref.weights)
-        for i, (v, g) in enumerate(zip(ref.weights, g_all)):
+        g_all = gradients(lambda xs=xs, ys=ys: LOSS(ys, ref(xs, training=True)), weights_of(ref))
+        for i, (v, g) in enumerate(zip(weights_of(ref), g_all)):
             tr = ~masks[v.path]
             g = np.asarray(keras.ops.convert_to_numpy(g), np.float64)
             mom[i][tr] += (g[tr] - mom[i][tr]) * (1 - b1)
@@ -134,7 +134,7 @@ def test_trained_values_follow_a_hand_written_masked_adam_with_fresh_state_for_r
             local = t - born[i][tr]
             alpha = lr * np.sqrt(1 - b2**local) / (1 - b1**local)
             w[i][tr] -= alpha * mom[i][tr] / (np.sqrt(vel[i][tr]) + eps)
-    for v, ref_w in zip(m.weights, w):
+    for v, ref_w in zip(weights_of(m), w):
         np.testing.assert_allclose(v.numpy(), ref_w, rtol=1e-4, atol=1e-5, err_msg=v.path)
     frz.verify()
 
@@ -153,10 +153,10 @@ def test_a_plan_without_partial_variables_is_refused_before_the_first_step():
     x, y = data()
     frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train("**/head/**")]))
     m.compile(optimizer=frz.wrap(keras.optimizers.SGD()), loss=LOSS)
-    before = [np.array(v.numpy(), copy=True) for v in m.weights]
+    before = [np.array(v.numpy(), copy=True) for v in weights_of(m)]
     with pytest.raises(ff.PlanError, match="no partially frozen variable"):
         m.fit(x, y, verbose=0, callbacks=[ff.callbacks.Reselect((x, y), every=2)])
-    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, m.weights))
+    assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, weights_of(m)))
 
 
 def test_reselect_outside_fit_and_the_plan_keeps_its_batchnorm_option():

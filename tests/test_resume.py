@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import weights_of
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 rng = np.random.default_rng(7)
@@ -144,7 +145,7 @@ def test_gradual_unfreezing_killed_and_resumed_is_the_uninterrupted_run(kill_at,
     assert_same(state(model, frz), straight("gradual"))
     frz.verify()
     # the baseline is live: a frozen element changed behind the plan's back is found
-    partial = [v for v in model.weights if frz.variable_state(v.path) == "partial"][0]
+    partial = [v for v in weights_of(model) if frz.variable_state(v.path) == "partial"][0]
     values = keras.ops.convert_to_numpy(partial).copy()
     values[-1, -1] += 1.0
     partial.assign(values)
@@ -258,7 +259,11 @@ WORKER = ROOT / "tests" / "resume_worker.py"
 
 
 def _worker(*args, wait=True):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+    )
     cmd = [sys.executable, str(WORKER), *map(str, args)]
     if not wait:
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, gradients
+from backend_utils import BACKEND, gradients, weights_of
 from finefreeze._backends.variables import unravel
 from finefreeze._enforce.policy import choose_kind as _kind
 from finefreeze._enforce.policy import index_dtype
@@ -33,7 +33,7 @@ def fit(model, epochs=1, **kw):
 
 
 def snapshot(model):
-    return {v.path: np.array(v.numpy(), copy=True) for v in model.weights}
+    return {v.path: np.array(v.numpy(), copy=True) for v in weights_of(model)}
 
 
 # -- 1. optimizer options belong to the inner optimizer ------------------------------
@@ -217,11 +217,11 @@ def test_update_that_fails_midway_leaves_training_bit_identical():
         fit(model)
         if attempt:
             plan, layout, hist = frz.plan, opt.layout, len(frz.history)
-            flags = [v.trainable for v in model.weights]
+            flags = [v.trainable for v in weights_of(model)]
             with pytest.raises(ValueError, match="cannot train layer b"):
                 frz.update(ff.Plan())
             assert frz.plan is plan and opt.layout is layout and len(frz.history) == hist
-            assert [v.trainable for v in model.weights] == flags
+            assert [v.trainable for v in weights_of(model)] == flags
         fit(model)
         frz.verify()
         runs[attempt] = (snapshot(model), [np.asarray(v.numpy()) for v in opt.variables])
@@ -236,12 +236,12 @@ def test_update_refused_by_the_optimizer_changes_nothing():
     opt = frz.wrap(keras.optimizers.Adafactor(0.1))
     model.compile(optimizer=opt, loss="mse")
     fit(model)
-    before = (frz.plan, opt.layout, [v.trainable for v in model.weights], list(opt.variables))
+    before = (frz.plan, opt.layout, [v.trainable for v in weights_of(model)], list(opt.variables))
     nan_plan = ff.Plan([ff.freeze("**"), ff.train("**/a/kernel[0, 0]")])
     with pytest.raises(ff.PlanError, match="Adafactor would turn training into NaN"):
         frz.update(nan_plan)
     assert (frz.plan, opt.layout) == before[:2]
-    assert [v.trainable for v in model.weights] == before[2] and list(opt.variables) == before[3]
+    assert [v.trainable for v in weights_of(model)] == before[2] and list(opt.variables) == before[3]
 
 
 # -- 9. schedules resume from a saved model ---------------------------------------------
@@ -461,7 +461,7 @@ def test_adafactor_accepts_a_matrix_frozen_whole_inside_a_3d_kernel():
     m.compile(optimizer=frz.wrap(keras.optimizers.Adafactor(0.01)), loss="mse")
     rng = np.random.default_rng(0)
     m.fit(rng.normal(size=(4, 6, 3)), rng.normal(size=(4, 4, 5)), verbose=0, epochs=3)
-    assert all(np.isfinite(v.numpy()).all() for v in m.weights)
+    assert all(np.isfinite(v.numpy()).all() for v in weights_of(m))
     frz.verify()
     with pytest.raises(ff.PlanError, match="Adafactor would turn training into NaN"):  # row + column of tap 1
         ff.Freezer(m, ff.Plan([ff.freeze("**/c/kernel[1]"), ff.train("**/c/kernel[1, 0, 0]")])).wrap(

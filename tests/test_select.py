@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import attention_model, gradients
+from backend_utils import attention_model, gradients, weights_of
 from conftest import mlp, weights
 from finefreeze._select.select import split_budget
 
@@ -27,13 +27,13 @@ def data(n=40, seed=0):
 def chosen(model, plan):
     """{path: bool mask of trainable elements} under ``plan``."""
     frz = ff.Freezer(model, plan)
-    return {v.path: ~frz.frozen_mask(v.path) for v in model.weights}
+    return {v.path: ~frz.frozen_mask(v.path) for v in weights_of(model)}
 
 
 def reference_top_k(model, scores, k, skip=()):
     """Top-k over variables in model order, ties to the lower (variable, flat index), by a full sort."""
     flat, owner = [], []
-    for v in model.weights:
+    for v in weights_of(model):
         if v.path in skip:
             continue
         s = np.asarray(scores[v.path], np.float64).ravel()
@@ -41,7 +41,7 @@ def reference_top_k(model, scores, k, skip=()):
         owner += [(v.path, i) for i in range(s.size)]
     allv = np.concatenate(flat)
     order = np.lexsort((np.arange(allv.size), -allv))[:k]
-    out = {v.path: np.zeros(v.shape, bool) for v in model.weights}
+    out = {v.path: np.zeros(v.shape, bool) for v in weights_of(model)}
     for j in order:
         path, i = owner[j]
         out[path].ravel()[i] = True
@@ -50,22 +50,22 @@ def reference_top_k(model, scores, k, skip=()):
 
 def grads(model, loss_fn):
     """float64 gradients of ``loss_fn()`` w.r.t. the model's weights (tape, jax.grad or backward)."""
-    return [np.asarray(keras.ops.convert_to_numpy(g), np.float64) for g in gradients(loss_fn, model.weights)]
+    return [np.asarray(keras.ops.convert_to_numpy(g), np.float64) for g in gradients(loss_fn, weights_of(model))]
 
 
 def per_example_fisher(model, x, y):
-    out = {v.path: np.zeros(v.shape, np.float64) for v in model.weights}
+    out = {v.path: np.zeros(v.shape, np.float64) for v in weights_of(model)}
     for i in range(len(y)):
-        for v, g in zip(model.weights, grads(model, lambda i=i: LOSS(y[i : i + 1], model(x[i : i + 1])))):
+        for v, g in zip(weights_of(model), grads(model, lambda i=i: LOSS(y[i : i + 1], model(x[i : i + 1])))):
             out[v.path] += g**2
     return out
 
 
 def batch_gradient(model, x, y, batch_size):
-    out = {v.path: np.zeros(v.shape, np.float64) for v in model.weights}
+    out = {v.path: np.zeros(v.shape, np.float64) for v in weights_of(model)}
     for s in range(0, len(y), batch_size):
         sl = slice(s, s + batch_size)
-        for v, g in zip(model.weights, grads(model, lambda sl=sl: LOSS(y[sl], model(x[sl])))):
+        for v, g in zip(weights_of(model), grads(model, lambda sl=sl: LOSS(y[sl], model(x[sl])))):
             out[v.path] += np.abs(g)
     return out
 
@@ -114,9 +114,9 @@ def test_gradient_is_top_k_of_summed_absolute_batch_gradients_from_a_dataset():
 @pytest.mark.parametrize("largest", [True, False])
 def test_magnitude_largest_and_smallest(largest):
     m = mlp()
-    mags = {v.path: np.abs(v.numpy()) * (1 if largest else -1) for v in m.weights}
+    mags = {v.path: np.abs(v.numpy()) * (1 if largest else -1) for v in weights_of(m)}
     plan = ff.select(m, budget=0.1, score="magnitude", largest=largest)
-    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    n = sum(int(np.prod(v.shape)) for v in weights_of(m))
     same(chosen(m, plan), reference_top_k(m, mags, int(np.floor(0.1 * n + 0.5))))
 
 
@@ -127,13 +127,15 @@ def test_delta_is_top_k_of_a_hand_written_fine_tune_and_resets_the_model_bit_exa
     ref_model = mlp()
     ref_model.set_weights(m.get_weights())
     opt = keras.optimizers.Adam(1e-2)
-    opt.build(ref_model.weights)
+    opt.build(weights_of(ref_model))
     for _ in range(2):
         for s in range(0, 40, 10):
             sl = slice(s, s + 10)
-            g = gradients(lambda sl=sl: LOSS(y[sl], ref_model(x[sl], training=True)), ref_model.weights)
-            opt.apply(g, ref_model.weights)
-    moved = {v.path: np.abs(r.numpy().astype(np.float64) - v.numpy()) for v, r in zip(m.weights, ref_model.weights)}
+            g = gradients(lambda sl=sl: LOSS(y[sl], ref_model(x[sl], training=True)), weights_of(ref_model))
+            opt.apply(g, weights_of(ref_model))
+    moved = {
+        v.path: np.abs(r.numpy().astype(np.float64) - v.numpy()) for v, r in zip(weights_of(m), weights_of(ref_model))
+    }
     plan = ff.select(
         m,
         (x, y),
@@ -148,7 +150,7 @@ def test_delta_is_top_k_of_a_hand_written_fine_tune_and_resets_the_model_bit_exa
     after = weights(m)
     for p in before:
         assert np.array_equal(before[p], after[p]), p
-    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    n = sum(int(np.prod(v.shape)) for v in weights_of(m))
     same(chosen(m, plan), reference_top_k(m, moved, int(np.floor(0.05 * n + 0.5))))
 
 
@@ -175,7 +177,7 @@ def test_data_scores_are_deterministic():
 @pytest.mark.parametrize("budget", [1, 7, 0.013, 0.5, 1.0])
 def test_budget_is_exact_for_counts_and_fractions(budget):
     m = mlp()
-    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    n = sum(int(np.prod(v.shape)) for v in weights_of(m))
     want = budget if isinstance(budget, int) else max(1, int(np.floor(budget * n + 0.5)))
     for per_variable in (False, True):
         c = chosen(m, ff.select(m, budget=budget, score="random", per_variable=per_variable))
@@ -184,12 +186,12 @@ def test_budget_is_exact_for_counts_and_fractions(budget):
 
 def test_ties_go_to_the_earlier_variable_then_the_lower_index():
     m = mlp()
-    for v in m.weights:
+    for v in weights_of(m):
         v.assign(np.ones(v.shape, "float32"))
     c = chosen(m, ff.select(m, budget=45, score="magnitude"))
-    first = m.weights[0]  # dense_0/kernel: 5 x 8 = 40, then dense_0/bias
+    first = weights_of(m)[0]  # dense_0/kernel: 5 x 8 = 40, then dense_0/bias
     assert c[first.path].all()
-    assert np.array_equal(c[m.weights[1].path], np.arange(8) < 5)
+    assert np.array_equal(c[weights_of(m)[1].path], np.arange(8) < 5)
     assert sum(int(v.sum()) for v in c.values()) == 45
 
 
@@ -198,11 +200,11 @@ def test_per_variable_quota_is_proportional_and_top_k_inside_each_variable():
     x, y = data()
     fisher = per_example_fisher(m, x, y)
     c = chosen(m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, per_variable=True, verbose=0))
-    sizes = [int(np.prod(v.shape)) for v in m.weights]
+    sizes = [int(np.prod(v.shape)) for v in weights_of(m)]
     k = int(np.floor(0.25 * sum(sizes) + 0.5))
     quotas = split_budget(k, sizes)
     assert sum(quotas) == k
-    for v, q, n in zip(m.weights, quotas, sizes):
+    for v, q, n in zip(weights_of(m), quotas, sizes):
         assert abs(q - 0.25 * n) < 1
         order = np.lexsort((np.arange(n), -fisher[v.path].ravel()))[:q]
         want = np.zeros(n, bool)
@@ -242,7 +244,7 @@ def test_the_plan_is_ordinary_summary_verify_delta_and_compact(tmp_path):
         fm = frz.frozen_mask(p)
         assert np.array_equal(b[fm], after[p][fm]), p
     assert "partial" in frz.summary()
-    n = sum(int(np.prod(v.shape)) for v in m.weights)
+    n = sum(int(np.prod(v.shape)) for v in weights_of(m))
     trained = 12 + 64 * 4 + 4
     assert frz.report()["totals"]["trainable_elements"] == trained
     assert frz.save_delta(tmp_path / "d.safetensors")["bytes"] < 4 * n / 2

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import attention_model, gradients
+from backend_utils import attention_model, gradients, weights_of
 from finefreeze._select.scores import stream_scores
 from finefreeze._select.select import split_budget
 
@@ -52,7 +52,7 @@ def value(v):
 
 
 def values(m):
-    return {v.path: value(v) for v in m.weights}
+    return {v.path: value(v) for v in weights_of(m)}
 
 
 def per_example_grads(w, x, y):
@@ -184,7 +184,7 @@ def test_budgets_are_exact(budget, per_variable):
     got = chosen(m, plan)
     assert sum(int(c.sum()) for c in got) == want
     if per_variable:
-        quotas = split_budget(want, [int(np.prod(v.shape)) for v in m.weights])
+        quotas = split_budget(want, [int(np.prod(v.shape)) for v in weights_of(m)])
         assert [int(c.sum()) for c in got] == quotas
 
 
@@ -360,7 +360,11 @@ print("tensorflow imported:", "tensorflow" in sys.modules)
 @pytest.mark.slow
 def test_select_and_reselect_do_not_import_tensorflow_off_tensorflow():
     backend = BACKEND if BACKEND != "tensorflow" else "jax"
-    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONPATH=str(ROOT / "src"))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND=backend,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     got = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     lines = got.stdout.strip().splitlines()
@@ -385,7 +389,7 @@ if BACKEND == "torch":
             assert np.array_equal(a, b)
         ref = [np.zeros(v.shape) for v in m.trainable_variables]
         for i in range(len(y)):
-            g = gradients(lambda i=i: keras.losses.mean_squared_error(y[i : i + 1], m(x[i : i + 1]))[0], m.weights)
+            g = gradients(lambda i=i: keras.losses.mean_squared_error(y[i : i + 1], m(x[i : i + 1]))[0], weights_of(m))
             for r, gi in zip(ref, g):
                 r += np.asarray(keras.ops.convert_to_numpy(gi), np.float64) ** 2
         for a, b in zip(auto, ref):
@@ -409,7 +413,11 @@ for score in ("fisher", "gradient", "delta"):
 
 
 def test_a_backend_that_takes_no_gradients_is_a_plan_error():
-    env = dict(os.environ, KERAS_BACKEND="numpy", PYTHONPATH=str(ROOT / "src"))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="numpy",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
     got = subprocess.run([sys.executable, "-c", NUMPY_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr[-3000:]
     lines = got.stdout.strip().splitlines()

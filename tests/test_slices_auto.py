@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import weights_of
 from finefreeze._enforce.slices import MARK, kernel_slice, pays
 
 BACKEND = keras.backend.backend()
@@ -53,11 +54,11 @@ def train(gradients, plan=PLAN, epochs=2):
     m = model()
     frz = ff.Freezer(m, plan, gradients=gradients)
     m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
-    before = {v.path: numpy(v) for v in m.weights}
+    before = {v.path: numpy(v) for v in weights_of(m)}
     x, y = data()
     m.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
     frz.verify()
-    for v in m.weights:
+    for v in weights_of(m):
         frozen = frz.frozen_mask(v.path)
         assert np.array_equal(numpy(v)[frozen], before[v.path][frozen]), v.path
     return m, frz
@@ -118,7 +119,7 @@ def test_auto_trains_as_the_sliced_path_where_it_slices_and_as_the_dense_path_el
     runs = {g: m for g, (m, _) in kept.items()}
     same = "sliced" if partial == "big" else "dense"  # the small kernel is below AUTO_PAYS' elements
     assert sliced_layers(runs["auto"]) == (["big"] if partial == "big" else [])
-    for a, s, d in zip(runs["auto"].weights, runs[same].weights, runs["dense"].weights):
+    for a, s, d in zip(weights_of(runs["auto"]), weights_of(runs[same]), weights_of(runs["dense"])):
         assert np.array_equal(numpy(a), numpy(s)), a.path
         # against the dense path: float rounding (tests/test_slices.py states the bound)
         scale = max(float(np.abs(numpy(d)).max()), 1e-30)
@@ -140,12 +141,12 @@ def test_a_plan_that_changes_often_keeps_its_moved_slices_dense_and_stops_retrac
     assert frz.history[-1]["retraced"] and sliced_layers(m) == [] and frz.held_dense == ["big/kernel"]
     m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     for start in (24, 32):
-        before = {v.path: numpy(v) for v in m.weights}
+        before = {v.path: numpy(v) for v in weights_of(m)}
         frz.update(at(start), often=True)
         assert not frz.history[-1]["retraced"] and sliced_layers(m) == []
         m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
         frz.verify()
-        for v in m.weights:
+        for v in weights_of(m):
             frozen = frz.frozen_mask(v.path)
             assert np.array_equal(numpy(v)[frozen], before[v.path][frozen]), v.path
     assert gradient_of(frz, "big/kernel") == "dense"
@@ -171,7 +172,7 @@ def test_kernels_held_dense_stay_dense_in_a_loaded_model_which_resumes_bit_for_b
     m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     again.verify()
-    for a, b in zip(loaded.weights, m.weights):
+    for a, b in zip(weights_of(loaded), weights_of(m)):
         assert np.array_equal(numpy(a), numpy(b)), a.path
 
 
@@ -238,7 +239,7 @@ def test_a_run_that_held_a_kernel_dense_resumes_from_its_checkpoint_bit_for_bit(
     assert frz.held_dense == ["big/kernel"] and sliced_layers(resumed) == []
     assert frz.strategy_for("big/kernel") == "compact"
     frz.verify()
-    for a, b in zip(resumed.weights, plain.weights):
+    for a, b in zip(weights_of(resumed), weights_of(plain)):
         assert np.array_equal(numpy(a), numpy(b)), a.path
 
 

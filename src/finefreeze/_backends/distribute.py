@@ -12,6 +12,7 @@ import numpy as np
 
 from finefreeze._backends.arrays import native, to_numpy
 from finefreeze._backends.questions import tensorflow
+from finefreeze._backends.read import read
 from finefreeze._errors import DistributionError
 
 __all__ = ["owner_strategy", "check_cross_replica", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
@@ -96,4 +97,4 @@ def replica_values(variable) -> list[np.ndarray]:
     copies = getattr(v, "values", None)
     if isinstance(copies, tuple) and copies:
         return [to_numpy(c) for c in copies]
-    return [to_numpy(variable)]
+    return [read(variable)]

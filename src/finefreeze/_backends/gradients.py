@@ -13,8 +13,10 @@ plain training step for ``delta``.
 - TensorFlow: ``tf.GradientTape``; per-example gradients with
   ``tf.vectorized_map`` (``per_example="vectorized"``), or one example after
   the other in ``tf.map_fn`` (``"loop"``, chosen by ``"auto"`` for models with
-  a ``MultiHeadAttention`` layer: TensorFlow 2.21 aborts the process, heap
-  corruption, when it vectorises that gradient); ``tf.function`` steps that
+  a ``MultiHeadAttention`` or ``Softmax`` layer, KerasHub's attention
+  included: TensorFlow 2.21 aborts the process, heap corruption, when it
+  vectorises that gradient; and by ``"auto"`` from the first microbatch
+  whose vectorised gradient TensorFlow refuses with an error); ``tf.function`` steps that
   ``assign_add`` into ``tf.Variable`` accumulators.
 - JAX: the loss as a pure function of the variables' values. The model is
   called under ``keras.StatelessScope`` with every model variable mapped to
@@ -73,25 +75,35 @@ def need_gradients(score: str) -> None:
 
 
 def _no_pfor_layers():
-    return (keras.layers.MultiHeadAttention,)
+    # TensorFlow 2.21's vectorised gradient of a batched softmax fails ("Input dims must be <= 5") and then
+    # corrupts the heap: the process aborts, nothing to catch. MultiHeadAttention and KerasHub's attention
+    # layers (Gemma, Llama, GPT-2, BERT) compute theirs with a Softmax layer.
+    return (keras.layers.MultiHeadAttention, keras.layers.Softmax)
 
 
 def per_example_mode(model, mode: str) -> str:
-    """``"vectorized"`` or ``"loop"`` (``"auto"`` stays ``"auto"`` on PyTorch: vmap, then the loop if it fails).
+    """``"vectorized"`` or ``"loop"``; ``"auto"`` stays ``"auto"`` on PyTorch and TensorFlow: vectorised, then the loop if that fails.
 
     Raises:
-        PlanError: an unknown mode.
+        PlanError: an unknown mode; ``"vectorized"`` on TensorFlow for a model with a softmax layer.
     """
     if mode not in ("auto", "vectorized", "loop"):
         raise PlanError(f"select: per_example={mode!r}; choose 'auto', 'vectorized' or 'loop'.")
+    b = keras.backend.backend()
+    layers = model._flatten_layers(include_self=True) if isinstance(model, keras.Layer) else []
+    softmax = next((x for x in layers if isinstance(x, _no_pfor_layers())), None)
+    if mode == "vectorized" and b == "tensorflow" and softmax is not None:
+        raise PlanError(
+            f"select: per_example='vectorized' on TensorFlow cannot take the per-example gradients of layer "
+            f"{softmax.name!r} ({type(softmax).__name__}): TensorFlow's vectorised softmax gradient aborts the "
+            "process; use per_example='auto' or 'loop' (one example after the other)."
+        )
     if mode != "auto":
         return mode
-    b = keras.backend.backend()
     if b == "torch":
         return "auto"
-    if b == "tensorflow":
-        layers = model._flatten_layers(include_self=True) if isinstance(model, keras.Layer) else []
-        return "loop" if any(isinstance(x, _no_pfor_layers()) for x in layers) else "vectorized"
+    if b == "tensorflow":  # auto: vectorized, then the loop if pfor refuses a model's op
+        return "loop" if softmax is not None else "auto"
     return "vectorized"
 
 

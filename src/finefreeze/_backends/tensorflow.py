@@ -31,21 +31,39 @@ class Gradients(Grads):
             for a, g in zip(accs, grads(x, y)):
                 a.assign_add(tf.abs(g))
 
-        @tf.function(reduce_retracing=True)
-        def fisher_step(x, y):
-            def one(xy):
-                xi, yi = xy
-                return [tf.square(g) for g in grads(one_example(xi), one_example(yi))]
+        def fisher_step(loop: bool):
+            @tf.function(reduce_retracing=True)
+            def step(x, y):
+                def one(xy):
+                    xi, yi = xy
+                    return [tf.square(g) for g in grads(one_example(xi), one_example(yi))]
 
-            if mode == "loop":
-                spec = [tf.TensorSpec(w.shape, tf.float32) for w in watched]
-                squares = tf.map_fn(one, (x, y), fn_output_signature=spec)
-            else:
-                squares = tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)
-            for a, sq in zip(accs, squares):
-                a.assign_add(tf.reduce_sum(sq, axis=0))
+                if loop:
+                    spec = [tf.TensorSpec(w.shape, tf.float32) for w in watched]
+                    squares = tf.map_fn(one, (x, y), fn_output_signature=spec)
+                else:
+                    squares = tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)
+                sums = [tf.reduce_sum(sq, axis=0) for sq in squares]
+                with tf.control_dependencies(sums):  # no accumulator changes unless every gradient was taken
+                    for a, total in zip(accs, sums):
+                        a.assign_add(total)
 
-        self._steps = {"gradient": gradient_step, "fisher": fisher_step}
+            return step
+
+        self._steps = {"gradient": gradient_step, "fisher": fisher_step(mode == "loop")}
+        self._loop = lambda: fisher_step(True)
+        self.mode = mode
+
+    def add(self, kind: str, x, y) -> None:
+        if kind != "fisher" or self.mode != "auto":
+            return super().add(kind, x, y)
+        try:
+            self._steps["fisher"](x, y)
+            self.mode = "vectorized"  # it worked once: it works for every microbatch
+        except (tf.errors.OpError, ValueError, NotImplementedError):  # pfor cannot take an op of the model
+            self._steps["fisher"] = self._loop()
+            self.mode = "loop"
+            self._steps["fisher"](x, y)
 
     def reset(self):
         for a in self.accs:

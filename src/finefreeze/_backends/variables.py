@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 
 import keras
 from keras import ops
@@ -32,6 +33,7 @@ from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.questions import keras_backend, keras_is_jax, tensorflow, tensorflow_imported
 
 __all__ = [
+    "IN_PLACE_FLAG",
     "block_write",
     "read_block",
     "take_block",
@@ -48,6 +50,35 @@ __all__ = [
     "take_values",
     "write_all",
 ]
+
+
+#: XLA on a CPU copies a donated variable that a step both reads and updates in part (a block or some
+#: elements written back into a kernel), unless its copy insertion uses region analysis (benchmarks/llm_memory.py)
+IN_PLACE_FLAG = "--xla_cpu_copy_insertion_use_region_analysis"
+
+
+def prefer_in_place_updates() -> bool:
+    """On JAX, let XLA write a variable's updated part in place (set before JAX starts; True if set now).
+
+    A partially frozen kernel's trained part is written back into the kernel
+    inside the step. XLA on a CPU keeps the kernel's old value for the
+    step's other reads with a copy of the whole kernel, unless its copy
+    insertion uses region analysis (XLA on a GPU does by default): this
+    adds ``--xla_cpu_copy_insertion_use_region_analysis=true`` to
+    ``XLA_FLAGS`` when JAX has not started yet and the user set nothing
+    for it (``=false`` in ``XLA_FLAGS`` keeps XLA's default).
+    """
+    if not keras_is_jax() or IN_PLACE_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return False
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return False
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {IN_PLACE_FLAG}=true".strip()
+    return True
+
+
+prefer_in_place_updates()
 
 
 def snapshot(v):
@@ -99,21 +130,21 @@ def select_frozen_to_zero(mask, grad):
 
 
 def take_values(v, idx):
-    """The variable's values now at the flat indices ``idx``, reading only those elements.
+    """The variable's values now at the flat indices ``idx``: a gather from its value, a new tensor.
 
-    TensorFlow gathers from the resource (``ResourceGatherNd``), JAX and
-    PyTorch from the flattened value; no copy of the whole variable is made
-    (:func:`snapshot` would copy it), and the result is a new tensor that
-    later writes to the variable do not change.
+    A dense read shares the variable's buffer (no copy); TensorFlow's sparse
+    reads (``ResourceGatherNd``) would switch the variable to copying at
+    every dense read, the step's forward pass included.
     """
+    return ops.take(ops.reshape(current_value(v), (-1,)), idx, axis=0)
+
+
+def current_value(v):
+    """The variable's value now, read densely (TensorFlow: one read op, sharing the variable's buffer)."""
     tf = tensorflow()
     if tf is not None:
-        raw = native(v)
-        where = unravel(idx, tuple(int(d) for d in v.shape))
-        if _in_xla():  # XLA has no ResourceGatherNd: read the variable, then gather
-            return tf.gather_nd(tf.convert_to_tensor(raw), where)
-        return tf.raw_ops.ResourceGatherNd(resource=raw.handle, indices=where, dtype=raw.dtype)
-    return ops.take(ops.reshape(v.value, (-1,)), idx, axis=0)
+        return tf.convert_to_tensor(native(v))
+    return v.value
 
 
 def take_trainable(grad, idx, shape, block: tuple | None = None):
@@ -145,7 +176,7 @@ def take_trainable(grad, idx, shape, block: tuple | None = None):
     lo = tf.searchsorted(idx, start)  # the row's first trainable element in idx
     count = tf.searchsorted(idx, start + row) - lo
     rows = tf.reshape(grad.values, (-1, row))
-    if not _in_xla():  # keep only the entries of rows with trainable elements (XLA needs static shapes)
+    if not in_xla():  # keep only the entries of rows with trainable elements (XLA needs static shapes)
         hit = tf.reshape(tf.where(count > 0), (-1,))
         start, lo, count, rows = (tf.gather(t, hit) for t in (start, lo, count, rows))
     slot = tf.range(row, dtype=idx.dtype)[None, :]
@@ -182,7 +213,7 @@ def _take_rows(grad, block_rows: tuple[int, int], shape, dtype):
     pos = tf.cast(grad.indices, dtype) - lo
     inside = (pos >= 0) & (pos < n)
     rows = tf.reshape(grad.values, (-1, width))
-    if _in_xla():
+    if in_xla():
         rows = tf.where(inside[:, None], rows, tf.zeros_like(rows))
         pos = tf.where(inside, pos, tf.zeros_like(pos))
         slot = tf.where(inside[:, None], tf.range(width, dtype=dtype)[None, :], tf.zeros((1, width), dtype))
@@ -216,7 +247,7 @@ def _torch_take_rows(grad, idx, shape, block_rows=None):
     return torch.where(rows[at] == want, found, torch.zeros_like(found))
 
 
-def _in_xla() -> bool:
+def in_xla() -> bool:
     """Whether the graph being built compiles with XLA (``jit_compile=True``), where shapes must be static."""
     try:
         from tensorflow.python.ops import control_flow_util
@@ -297,18 +328,10 @@ def _row_block(shape, block) -> bool:
 def read_block(v, block: tuple, idx):
     """The elements of ``v`` in the block ``block`` (flat, C order); ``idx``: their flat indices.
 
-    JAX and PyTorch slice the value. TensorFlow reads the rows of a block of
-    whole rows (``ResourceGather``) and gathers the elements of any other
-    block (``ResourceGatherNd``): slicing the whole value would keep its
-    buffer alive, and the block's write after the update would copy the
-    variable first.
+    A slice of the value, read densely (:func:`current_value`): the read is
+    done before the block's write, which then writes in place.
     """
-    if tensorflow() is None:
-        return take_block(current(v), block)
-    if _row_block(tuple(int(d) for d in v.shape), block):
-        rows = tensorflow_imported().gather(native(v), ops.arange(block[0].start or 0, block[0].stop, dtype="int32"))
-        return ops.reshape(rows, (-1,))
-    return take_values(v, idx)
+    return take_block(current_value(v), block)
 
 
 def take_block(t, block: tuple):
@@ -317,10 +340,7 @@ def take_block(t, block: tuple):
 
 
 def _tf_block(var, values, block=()):
-    if _row_block(tuple(int(d) for d in var.shape), block):  # a scatter of rows; a slice assign copies the table
-        tf = tensorflow_imported()
-        return var.scatter_update(tf.IndexedSlices(values, tf.range(block[0].start or 0, block[0].stop)))
-    return var[block].assign(values)
+    return var[block].assign(values)  # ResourceStridedSliceAssign: in place once the step's reads are done
 
 
 def _functional_block(var, values, block=()):
@@ -360,7 +380,7 @@ def scatter_write(variable, flat_index, values) -> tuple:
     return (variable, _functional_scatter, (flat_index, values))
 
 
-def write_all(writes) -> None:
+def write_all(writes, after=()) -> None:
     """Perform ``[(variable, fn, args)]`` writes through the backend's update path.
 
     Under ``tf.distribute`` a write from replica context goes through
@@ -368,6 +388,12 @@ def write_all(writes) -> None:
     replica's copy with that replica's ``args``; a bare replica-context
     ``assign`` would aggregate the replicas' values (``aggregation="mean"``
     rounds them). Elsewhere this is a plain call of each ``fn``.
+
+    ``after``: tensors (the step's gradients) a TensorFlow graph computes
+    before the writes. A variable written in part is read by the step's
+    backward pass too (``dx = dy · kernelᵀ``), and TensorFlow copies a
+    variable whose buffer a read still shares when it is written: once every
+    gradient exists, every such read is done and the write is in place.
     """
     if not writes:
         return
@@ -375,6 +401,11 @@ def write_all(writes) -> None:
     if tf is None:
         for var, fn, args in writes:
             fn(var, *args)
+        return
+    after = [getattr(g, "values", g) for g in after if g is not None]
+    if after and not tf.executing_eagerly():
+        with tf.control_dependencies(after):
+            write_all(writes)
         return
     tf_vars = [native(v) for v, _, _ in writes]
 

@@ -51,6 +51,7 @@ from finefreeze._backends.variables import (
 )
 from finefreeze._enforce.layout import VarLayout
 from finefreeze._enforce.policy import family, index_dtype
+from finefreeze._enforce.slices import sliced_gradient
 from finefreeze._kinds import Kind
 from finefreeze._resolve.targets import remember_base
 
@@ -79,25 +80,42 @@ class Enforcer:
     scale: Any = None  # float32 optimizer variable of lr_scale: () or per element; None = 1
     mask: Any = None  # bool optimizer variable (True = frozen): restore, mask
     index: Any = None  # int32/int64 optimizer variable of trainable flat indices: compact
-    shadow: Any = None  # flat optimizer variable of trainable values: compact
+    # flat variable of the trainable values (compact): an optimizer variable, or the stand-in a sliced layer
+    # hands the trained elements' gradient to (a model variable, not the optimizer's)
+    shadow: Any = None
     born: Any = None  # int32 optimizer variable: the step its elements were released at (see optimizer.ages)
     u_product: Any = None  # float32 optimizer variable beside born: Nadam's running product, per release
     block: Any = None  # compact: the trained elements as a block of ranges (slices), taken and written as one
+    standin: Any = None  # the variable a sliced layer hands the trained elements' gradient to, or None
+    owner: Any = None  # that layer
+    trained: Any = None  # restore/mask with a stand-in: the flat indices of its elements (numpy), to scatter
 
     @property
     def inner_variable(self):
         return self.shadow if self.kind == Kind.COMPACT else self.variable
 
+    def sliced_now(self) -> bool:
+        """Whether the step being traced hands the trained elements' gradient to the stand-in (else: the kernel's).
+
+        JAX gives a variable the step does not read a zero gradient, not
+        None: which one carries the gradient is the layer's call's to say.
+        """
+        return self.standin is not None and sliced_gradient(self.owner, self.variable) is not None
+
     # -- hooks -------------------------------------------------------------
     def needs_snapshot(self) -> bool:
         return self.kind == Kind.RESTORE or self.scale is not None
 
-    def prepare(self, grad, writes: list):
+    def prepare(self, grad, writes: list, standin_grad=None):
         """Return ``(inner_grad, ctx)``; ``grad`` may be None (EMA steps).
 
-        Writes the step needs before the inner update are appended to
+        ``standin_grad``: the gradient a sliced layer handed the stand-in
+        (the trained elements only); then ``grad``, the model variable's, is
+        None. Writes the step needs before the inner update are appended to
         ``writes`` (see :func:`finefreeze._backends.variables.write_all`).
         """
+        if standin_grad is not None and self.kind != Kind.COMPACT:
+            grad = spread(standin_grad, self.trained, self.shape)  # restore and mask hold dense state anyway
         if self.kind == Kind.COMPACT:
             idx = self.index.value
             if self.block is not None:  # the same elements in the same order, by slices
@@ -105,7 +123,9 @@ class Enforcer:
             else:
                 values = take_values(self.variable, idx)  # the trainable elements only, not a copy of the variable
             writes.append((self.shadow, assign, (values,)))
-            if grad is None:
+            if standin_grad is not None:
+                g = standin_grad
+            elif grad is None:
                 g = None
             elif self.block is not None and not is_sparse(grad):
                 g = take_block(grad, self.block)
@@ -144,6 +164,8 @@ class Enforcers:
     def __init__(self, ordered=(), frozen_ids=(), state=None):
         self.ordered: list[Enforcer] = list(ordered)
         self.by_id: dict[int, Enforcer] = {id(e.variable): e for e in self.ordered}
+        #: a stand-in's kernel's enforcer, by the stand-in's id
+        self.by_standin: dict[int, Enforcer] = {id(e.standin): e for e in self.ordered if e.standin is not None}
         self.frozen_ids: set[int] = set(frozen_ids)
         self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
         self.state = state  # the inner optimizer's state by variable (optimizer.migrate.StateMap)
@@ -174,16 +196,20 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
         )
         # Starts as the trainable values (optimizers may read it in build) and
         # is refilled from the model variable at every step (gather).
-        enf.shadow = add_variable(
-            shape=idx.shape,
-            dtype=v.dtype,
-            name=f"{safe}.compact",
-            initializer="zeros" if loaded else _const(_eager_values(v, idx)),
-            aggregation="none",
-        )
+        enf.shadow = e.standin
+        if enf.shadow is None:
+            enf.shadow = add_variable(
+                shape=idx.shape,
+                dtype=v.dtype,
+                name=f"{safe}.compact",
+                initializer="zeros" if loaded else _const(_eager_values(v, idx)),
+                aggregation="none",
+            )
         enf.block = None if loaded else e.block
     elif e.kind in (Kind.RESTORE, Kind.MASK):
         dense = np.ones(e.shape, bool) if loaded else e.mask.dense()
+        if e.standin is not None:
+            enf.trained = np.flatnonzero(~dense.reshape(-1))
         enf.mask = add_variable(
             shape=e.shape,
             dtype="bool",
@@ -203,7 +229,24 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
             # one scale per element: sharded like the variable; a scalar: replicated
             layout=getattr(v, "_layout", None) if scale.shape == tuple(e.shape) and scale.ndim else None,
         )
+    enf.standin, enf.owner = e.standin, e.owner
     return enf
+
+
+def spread(standin_grad, trained: np.ndarray, shape):
+    """A stand-in's gradient as its kernel's (zero elsewhere), for ``restore`` and ``mask``, which hold dense state."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if is_sparse(standin_grad):
+        # TensorFlow's rows: one whole table row per entry of the batch (frozen elements 0.0 at place 0, below
+        # the row's own elements): the table's IndexedSlices, duplicates kept, as Keras' own gradient has them
+        tf = tensorflow()
+        width = int(shape[1])
+        values = tf.reshape(standin_grad.values, (-1, width))
+        places = tf.reshape(tf.gather(tf.constant(trained), standin_grad.indices), (-1, width))
+        rows = tf.reduce_max(places // width, axis=1)
+        return tf.IndexedSlices(values, rows, tf.constant(list(shape), dtype=rows.dtype))
+    where = ops.expand_dims(ops.convert_to_tensor(trained.astype(np.int32 if size < 2**31 else np.int64)), 1)
+    return ops.reshape(ops.scatter(where, standin_grad, (size,)), shape)
 
 
 def elements(e: Enforcer, trained_only: bool) -> np.ndarray:
@@ -248,7 +291,7 @@ def make_enforcers(add_variable, layout, var_list, saved: bool) -> Enforcers:
 
     Made without Keras' dependency tracking: the optimizer must never track model variables.
     """
-    ordered, frozen, seen = [], set(), set()
+    ordered, frozen, seen = [], set(), set(layout.standins())  # stand-ins: their kernels' enforcers
     for v in var_list:
         if id(v) in seen:
             continue

@@ -27,11 +27,12 @@ from typing import Any
 import numpy as np
 
 from finefreeze._enforce.policy import choose_kind, compact_refusal, sparse_gradients
-from finefreeze._enforce.slices import exact_block, slice_eligible, sliced_gradient
+from finefreeze._enforce.slices import exact_block, slice_eligible, sliced_gradient, standin_of
 from finefreeze._errors import PlanError
 from finefreeze._kinds import KINDS, Kind
 from finefreeze._resolve.masks import ElementMask
 from finefreeze._resolve.resolve import FROZEN, TRAINABLE, UNTRAINED, Resolution
+from finefreeze._resolve.standins import is_standin, kernel_of
 from finefreeze._resolve.targets import match_path, var_path
 
 __all__ = [
@@ -63,6 +64,10 @@ class VarLayout:
     scale: Any = 1.0
     # compact of a sliced kernel whose trained elements are exactly a block of ranges: taken by slices
     block: tuple | None = None
+    # the variable of the trained elements a sliced layer hands their gradient to (``compact``'s vector),
+    # and that layer (whose call says, as each step is traced, whether it hands it: held dense, it does not)
+    standin: Any = None
+    owner: Any = None
 
     @property
     def size(self) -> int:
@@ -87,13 +92,14 @@ class VarLayout:
 
 
 def refuse_unknown(res: Resolution, var_list) -> None:
-    """Raise unless every variable of ``var_list`` is one ``res`` was resolved against.
+    """Raise unless every variable of ``var_list`` is one ``res`` was resolved against (or a stand-in of one).
 
     Raises:
         PlanError: names the first unknown variable and how to fix it.
     """
     for v in var_list:
-        if res.lookup(v) is None:
+        kernel = kernel_of(v)
+        if res.lookup(v) is None and (kernel is None or res.lookup(kernel) is None):
             path = var_path(v)
             layer = path.rsplit("/", 1)[0] + "/"
             if res.by_path(path) is None and any(s.path.startswith(layer) for s in res.states):
@@ -187,7 +193,9 @@ class Layout:
                 k = choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, cheap, s.path)
                 sliced = sliced_gradient(s.info.owner, s.variable) is not None  # held dense: flat indices, no retrace
                 block = exact_block(s.mask.dense()) if sliced and k == Kind.COMPACT else None
-                entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale, block)
+                standin = standin_of(s.info.owner, s.variable)
+                owner = s.info.owner if standin is not None else None
+                entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale, block, standin, owner)
             pairs.append((s.variable, entry))
             if s.info.raw is not s.variable:
                 pairs.append((s.info.raw, entry))
@@ -211,6 +219,7 @@ class Layout:
         entries = {e["path"]: e for e in config["variables"]}
         entries.update({p: {"path": p, "kind": Kind.FROZEN} for p in config.get("frozen", ())})
         pairs = []
+        var_list = [v for v in var_list if not is_standin(v)]  # stand-ins are their kernels' (the Freezer's)
         twins = _twins(entries, [var_path(v) for v in var_list])
         for v in var_list:
             shape = tuple(int(d) for d in v.shape)
@@ -254,6 +263,10 @@ class Layout:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def standins(self) -> dict[int, VarLayout]:
+        """``{id(stand-in): entry of its kernel}`` of every entry with a stand-in."""
+        return {id(e.standin): e for e in self._entries if e.standin is not None}
 
     def kinds(self) -> dict[str, str]:
         """``{path: kind}`` of every variable."""

@@ -56,7 +56,9 @@ __all__ = [
     "kernel_slice",
     "pays",
     "slice_eligible",
+    "sampled_equation",
     "sliced_gradient",
+    "standin_of",
 ]
 
 #: the attribute (in the layer's ``__dict__``) of a layer whose call computes a block's weight gradient only
@@ -78,7 +80,7 @@ AUTO_PAYS = {
 
 #: ``gradients="sliced"``: the largest fraction of a ``Dense`` kernel whose scattered trained elements get the
 #: sampled product (at 1 % it already lost to the whole product on JAX and PyTorch)
-SAMPLE_AT_MOST = 0.01
+SAMPLE_AT_MOST = 0.05
 
 #: ``gradients="auto"``, per backend: the largest fraction of a ``Dense`` kernel (of at least the elements
 #: :data:`AUTO_PAYS` names) whose scattered trained elements get the sampled product, about where it stops
@@ -99,8 +101,8 @@ class KernelSlice:
     ``index[i]``: the block's sorted indices along kernel axis ``i`` (None: the
     whole axis); ``x_axis[i]`` / ``y_axis[i]``: the axis of the layer's input /
     output that kernel axis ``i`` is contracted with / becomes (None: neither).
-    A ``"sampled"`` one lists elements, not a block: ``index`` is the row and
-    the column of each trained element, in flat order.
+    A ``"sampled"`` one lists elements, not a block: ``index`` is
+    ``(sorted flat indices of the trained elements,)``.
     """
 
     kind: str  # "dense" | "einsum" | "conv" | "rows" (an embedding's rows) | "sampled" (a Dense kernel's elements)
@@ -208,7 +210,13 @@ def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
 
 
 def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
-    """The trained elements of a ``Dense`` kernel, for the sampled product, at most :data:`SAMPLE_AT_MOST` of it.
+    """The trained elements of a ``Dense`` or ``EinsumDense`` kernel, for the sampled product, at most
+    :data:`SAMPLE_AT_MOST` of it.
+
+    An ``EinsumDense`` kernel qualifies when each of its axes is contracted
+    with the input or becomes an output axis (not both), and every other
+    input axis is an output axis too: each trained element is then a column
+    of the input and one of the output gradient.
 
     Args:
         layer: the variable's owner.
@@ -216,19 +224,34 @@ def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
         frozen: its frozen-element mask (True = frozen).
 
     Returns:
-        A ``"sampled"`` :class:`KernelSlice` (the row and column of every
-        trained element), or None: not a ``Dense`` kernel finefreeze slices,
+        A ``"sampled"`` :class:`KernelSlice` (``index``: the sorted flat
+        indices of the trained elements), or None: not such a kernel,
         nothing trained, or more than :data:`SAMPLE_AT_MOST`.
     """
     geometry = _geometry(layer, variable)
-    if geometry is None or geometry[0] != "dense":
+    if geometry is None or geometry[0] not in ("dense", "einsum"):
+        return None
+    if geometry[0] == "einsum" and not sampled_equation(layer.equation):
         return None
     frozen = np.asarray(frozen, dtype=bool)
     n = frozen.size - int(np.count_nonzero(frozen))  # no copy of the mask: most kernels are not sampled
     if n == 0 or n > SAMPLE_AT_MOST * frozen.size:
         return None
-    rows, cols = (a.astype(np.int32) for a in np.nonzero(~frozen))
-    return KernelSlice("sampled", tuple(int(d) for d in variable.shape), (rows, cols), *geometry[1:])
+    flat = np.flatnonzero(~frozen.reshape(-1)).astype(np.int64)
+    return KernelSlice("sampled", tuple(int(d) for d in variable.shape), (flat,), *geometry[1:])
+
+
+def sampled_equation(equation: str) -> bool:
+    """Whether an ``EinsumDense`` equation lets the sampled product take its kernel's elements one by one."""
+    try:
+        ins, y = equation.replace(" ", "").split("->")
+        x, k = ins.split(",")
+    except ValueError:
+        return False
+    if "..." in k or x.count("...") != y.count("...") or len(set(k)) != len(k):
+        return False
+    xs, ys = set(x.replace("...", "")), set(y.replace("...", ""))
+    return all((c in xs) != (c in ys) for c in k) and all(c in ys for c in xs - set(k))
 
 
 def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None = None):
@@ -290,6 +313,14 @@ def slice_eligible(owner, variable) -> KernelSlice | None:
     """
     mark = getattr(owner, "__dict__", {}).get(MARK)
     return mark.slice if mark is not None and mark.variable is variable and mark.eligible else None
+
+
+def standin_of(owner, variable):
+    """The stand-in variable (the trained elements of ``variable``) ``owner``'s call hands their gradient to, or None."""
+    mark = getattr(owner, "__dict__", {}).get(MARK)
+    if mark is None or mark.variable is not variable or not mark.eligible:
+        return None
+    return mark.standin
 
 
 def sliced_gradient(owner, variable) -> KernelSlice | None:

@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import numpy as np
 
-from finefreeze._enforce.slices import slice_eligible
+from finefreeze._backends.distribute import owner_scope
+from finefreeze._enforce.slices import slice_eligible, standin_of
 from finefreeze._errors import PlanError
 from finefreeze._kinds import STRATEGIES, State
+from finefreeze._optimizer.wrapper import FreezingOptimizer
 from finefreeze._plan.plan import Plan
 from finefreeze._report.groups import format_groups, wants_detail
 from finefreeze._report.plot import plot
@@ -87,6 +90,16 @@ class FreezerBase(abc.ABC):
         return getattr(self, "_gradients", "dense")
 
     @property
+    def slicing(self) -> str:
+        """The ``gradients`` mode the layers follow: the Freezer's, or ``"dense"`` under ``restore`` and ``mask``.
+
+        A sliced layer hands its trained elements' gradient to a variable of
+        their own, ``compact``'s vector; ``restore`` and ``mask`` hold state
+        for the whole variable and take its whole gradient, Keras' own.
+        """
+        return self.gradients if self.strategy in ("auto", "compact") else "dense"
+
+    @property
     def held_dense(self) -> list[str]:
         """``gradients="auto"``: paths of kernels on the dense gradient since their slice moved often (``Reselect``)."""
         return sorted(getattr(self, "_held", ()))
@@ -107,12 +120,24 @@ class FreezerBase(abc.ABC):
 
     @property
     def trainable_variables(self) -> list:
-        """Variables the optimizer will update at all (trainable or partial).
+        """Variables the optimizer will update at all (trainable or partial), and the stand-ins of sliced kernels.
+
+        A partially frozen kernel whose layer computes the gradient of its
+        trained elements only is followed by their stand-in (a flat variable
+        of those elements): the step's gradient is the stand-in's, and the
+        kernel's is None.
 
         Comes from this Freezer's plan, never from the Keras flags, so several
         Freezers over one model each keep their own list.
         """
-        return [s.variable for s in self._res.states if s.state in (State.TRAINABLE, State.PARTIAL)]
+        out = []
+        for s in self._res.states:
+            if s.state in (State.TRAINABLE, State.PARTIAL):
+                out.append(s.variable)
+                standin = standin_of(s.info.owner, s.variable) if s.state == State.PARTIAL else None
+                if standin is not None:  # a sliced layer hands the trained elements' gradient to it
+                    out.append(standin)
+        return out
 
     def _state(self, path: str) -> VarState:
         st = self._res.by_path(path)
@@ -147,6 +172,35 @@ class FreezerBase(abc.ABC):
         """The strategy that enforces a partially frozen variable (None for others)."""
 
     # -- history ----------------------------------------------------------------
+    def follow_standins(self) -> None:
+        """Rebuild built optimizers on the stand-ins the layers hand gradients to now (a loaded model's, say).
+
+        An optimizer built before a layer got (or lost) its stand-in holds its
+        compact vector itself; the state of every element is carried over.
+        """
+        var_list = self.trainable_variables_for_build()
+        rebuilt = False
+        for opt in self.optimizers():
+            if opt.built:
+                with owner_scope(var_list):
+                    opt.commit_change(self._res, opt.prepare_change(self._res, var_list), var_list)
+                rebuilt = True
+        if rebuilt:
+            self._rebuild_outer(var_list)
+            self._retrace()
+
+    def _rebuild_outer(self, var_list) -> None:
+        """Optimizers wrapped around ours (a LossScaleOptimizer) learn the new variable list.
+
+        Keras' JAX trainer hands them the model's trainable variables and they
+        pair them with the list they were built on.
+        """
+        opt = getattr(self._target.obj, "optimizer", None)
+        while opt is not None and not isinstance(opt, FreezingOptimizer) and opt.built:
+            opt._trainable_variables_indices = {}
+            keras.optimizers.Optimizer.build(opt, list(var_list))
+            opt = getattr(opt, "inner_optimizer", None)
+
     def _record(self, step: int, *, stamp: bool = True, retraced: bool | None = None) -> None:
         entry: dict[str, Any] = {"step": step}
         if stamp:

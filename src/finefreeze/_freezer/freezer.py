@@ -152,9 +152,11 @@ class Freezer(FreezerBase):
             self.
         """
         set_flags(self._target, self._res)
-        set_sliced(self._target, self._res, self, self._gradients, self._held)
+        sliced = set_sliced(self._target, self._res, self, self.slicing, self._held)
         if any(o.built and o.trains_outside() for o in self.optimizers()):
             return self.update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
+        if sliced:
+            self.follow_standins()
         self._retrace()
         self._fingerprint = self._take_fingerprint()
         return self
@@ -168,18 +170,6 @@ class Freezer(FreezerBase):
         """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
         self.sync()
         self._fingerprint = self._take_fingerprint()
-
-    def _rebuild_outer(self, var_list) -> None:
-        """Optimizers wrapped around ours (a LossScaleOptimizer) learn the new variable list.
-
-        Keras' JAX trainer hands them the model's trainable variables and they
-        pair them with the list they were built on.
-        """
-        opt = getattr(self._target.obj, "optimizer", None)
-        while opt is not None and not isinstance(opt, FreezingOptimizer) and opt.built:
-            opt._trainable_variables_indices = {}
-            keras.optimizers.Optimizer.build(opt, list(var_list))
-            opt = getattr(opt, "inner_optimizer", None)
 
     def sync(self) -> None:
         """Bring the variables up to date before reading or changing them (callbacks inside ``fit`` call it).
@@ -274,13 +264,13 @@ class Freezer(FreezerBase):
         self._res = res
         try:
             flags_changed = set_flags(self._target, self._res)
-            flags_changed |= set_sliced(self._target, self._res, self, self._gradients, self._held, often)
+            flags_changed |= set_sliced(self._target, self._res, self, self.slicing, self._held, often)
             var_list = self.trainable_variables_for_build()
             layouts = [opt.prepare_change(res, var_list) for opt in opts]
         except Exception:
             self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self._gradients, self._held)
+            set_sliced(self._target, self._res, self, self.slicing, self._held)
             raise
         step = self.step
         earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
@@ -296,7 +286,7 @@ class Freezer(FreezerBase):
                 opts[0].undo_change(u)
             self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self._gradients, self._held)
+            set_sliced(self._target, self._res, self, self.slicing, self._held)
             self._retrace()
             raise
         self._earlier += earlier

@@ -129,7 +129,8 @@ def hold(frz, gradients: dict | None) -> None:
             held.add(hits[0])
     if held != frz._held:
         frz._held = held
-        if set_sliced(frz.target, frz.resolution, frz, frz.gradients, frz._held):
+        if set_sliced(frz.target, frz.resolution, frz, frz.slicing, frz._held):
+            frz.follow_standins()
             frz._retrace()
 
 

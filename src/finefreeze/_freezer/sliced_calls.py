@@ -1,12 +1,13 @@
-"""Layers whose trained kernel slice gets its own weight gradient: their ``call``, set on the instance.
+"""Layers whose kernel's trained elements get their own gradient: their ``call``, set on the instance.
 
-For each partially frozen kernel :func:`finefreeze._enforce.slices.kernel_slice`
-finds a block for, the layer gets a ``call`` of its own instance (in its
-``__dict__``, as Python looks there first): Keras' call of that class line
-for line (``Dense``, ``EinsumDense``, the convolutions, ``Embedding`` and
-``ReversibleEmbedding``'s lookup), with
-the kernel product (an embedding's lookup) replaced by
-:func:`finefreeze._backends.slices.sliced_product`. Nothing of it is saved:
+For each partially frozen kernel :func:`finefreeze._enforce.slices.choose`
+finds a block (or scattered elements) for, the layer gets a ``call`` of its
+own instance (in its ``__dict__``, as Python looks there first): Keras' call
+of that class line for line (``Dense``, ``EinsumDense``, the convolutions,
+``Embedding`` and ``ReversibleEmbedding``'s lookup and tied reverse
+projection), with the kernel product (an embedding's lookup) replaced by
+:func:`finefreeze._backends.slices.sliced_product`, which hands the trained
+elements' gradient to a stand-in (``standins``). Nothing of it is saved:
 the layer keeps its class and its config, and a model saved while it trains
 loads as plain Keras. A layer that two live Freezers plan (two plans
 trained by turns, as a GAN's) is never sliced: the gradient the layer
@@ -20,18 +21,21 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import weakref
 from typing import Any
 
 import keras
+import numpy as np
 from keras import ops
 from keras.src.backend import set_keras_mask
 
 from finefreeze._backends.questions import keras_backend
-from finefreeze._backends.slices import Sampled, Taken, looked_up, sliced_product, slicing
+from finefreeze._backends.sampled import Sampled
+from finefreeze._backends.slices import Taken, looked_up, read_rows, sliced_product, slicing
 from finefreeze._enforce.slices import MARK, KernelSlice, choose
-from finefreeze._optimizer.wrapper import FreezingOptimizer
 from finefreeze._resolve.resolve import PARTIAL
+from finefreeze._resolve.standins import attach, detach
 
 __all__ = ["set_sliced"]
 
@@ -49,23 +53,27 @@ class _Mark:
     # the Freezer's gradients mode slices it, held dense or not: the layout (compact's state) follows this, so a
     # run holding a kernel dense and one that slices it keep the same optimizer variables (checkpoints load)
     eligible: bool = True
+    holder: Any = None  # the stand-in's layer (eligible slices): the trained elements' variable
+    trained: bytes = b""  # the trained elements (flat indices), to tell a new stand-in from the one in place
+
+    @property
+    def standin(self):
+        """The stand-in variable of the trained elements, or None."""
+        return None if self.holder is None else self.holder.values
 
     def live(self) -> bool:
         """The Freezer that set the call lives and is the only one planning the layer."""
         return self.owner() is not None and len(self.claims) == 1
 
     def now(self) -> bool:
-        """Whether the call computes the slice's gradient only, were it traced now."""
-        return self.sliced and self.live() and not _watched(self)
+        """Whether the call hands the trained elements' gradient to the stand-in, were it traced now."""
+        return self.sliced and self.holder is not None and self.live() and not _watched(self)
 
 
 def _watched(mark) -> bool:
-    """``gradients="auto"`` while the frozen gradient's norm is recorded (FreezeBoard): the dense gradient.
-
-    TensorFlow's rows are the exception: their gradient holds every row of the batch either way.
-    """
+    """``gradients="auto"`` while the frozen gradient's norm is recorded (FreezeBoard): the dense gradient."""
     frz = mark.owner()
-    if frz is None or frz.gradients != "auto" or (mark.slice.kind == "rows" and keras_backend() == "tensorflow"):
+    if frz is None or frz.gradients != "auto":
         return False
     return any(getattr(o, "recording_norms", False) for o in frz.optimizers())
 
@@ -95,7 +103,8 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     want = {}
     for s in res.states:
         if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
-            ks, eligible = choose(s.info.owner, s.variable, s.mask.dense(), mode)
+            frozen = s.mask.dense()
+            ks, eligible = choose(s.info.owner, s.variable, frozen, mode)
             on = eligible and not (mode == "auto" and s.path in held)
             old = marks.get(id(s.info.owner))
             if mode == "auto" and often and on and old is not None and old.sliced and old.variable is s.variable:
@@ -104,7 +113,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
                     on = False
             # TensorFlow's table read by rows changes no maths: it is the dense path too
             if ks is not None and (eligible or (ks.kind == "rows" and keras_backend() == "tensorflow")):
-                want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on, eligible)
+                want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on, eligible, frozen)
     layers = [layer for layer in target.layers if hasattr(layer, "__dict__")]
     for layer in layers:
         layer.__dict__.setdefault(CLAIMS, weakref.WeakSet()).add(owner)
@@ -117,73 +126,87 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     for layer in layers:
         mark = layer.__dict__.get(MARK)
         new = want.get(id(layer))
-        same = mark is not None and new is not None and mark.variable is new[2]
-        same = same and (mark.sliced, mark.eligible) == new[3:] and (not mark.sliced or mark.slice.key == new[1].key)
-        if same:  # a kernel held dense keeps Keras' call whatever its slice: no retrace when the slice moves
+        if _same(mark, new):  # a kernel held dense keeps Keras' call whatever its slice: no retrace when it moves
             mark.owner, mark.slice = weakref.ref(owner), new[1]
             continue
         if mark is not None:
-            del layer.__dict__["call"], layer.__dict__[MARK]
+            _take_call(layer, mark)
             changed = True
         if new is not None:
-            _give_call(layer, new[1], new[2], owner, new[3], target.obj, new[4])
+            _give_call(layer, *new[1:], owner=owner, model_of=target.obj)
             changed = True
     return changed
 
 
-def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None, eligible: bool = True) -> None:
+def _trained_key(frozen: np.ndarray) -> bytes:
+    return hashlib.sha1(np.packbits(~np.asarray(frozen, dtype=bool)).tobytes()).digest()
+
+
+def _same(mark, new) -> bool:
+    """Whether the call in place serves ``new`` as it is (the same variable, slice and stand-in)."""
+    if mark is None or new is None or mark.variable is not new[2] or (mark.sliced, mark.eligible) != new[3:5]:
+        return False
+    if mark.holder is not None and mark.trained != _trained_key(new[5]):
+        return False  # other trained elements: another stand-in
+    return not mark.sliced or mark.slice.key == new[1].key
+
+
+def _take_call(layer, mark) -> None:
+    del layer.__dict__["call"], layer.__dict__[MARK]
+    if mark.holder is not None:
+        detach(layer, mark.holder)
+
+
+def _specs(layer, ks: KernelSlice) -> tuple[str, str, str]:
+    """The einsum letters of the layer's input, kernel and output (``Dense``: ``...i,ij->...j``)."""
+    if ks.kind == "einsum" or isinstance(layer, keras.layers.EinsumDense):
+        x, rest = layer.equation.replace(" ", "").split(",")
+        k, y = rest.split("->")
+        return x, k, y
+    return "...i", "ij", "...j"
+
+
+def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, frozen, *, owner, model_of=None) -> None:
+    trained = np.flatnonzero(~np.asarray(frozen, dtype=bool))
     if ks.kind == "sampled":
-        taken = Sampled(ks.shape, *ks.index)
+        taken = Sampled(*_specs(layer, ks), ks.shape, len(trained))
     else:
-        taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis)
-    mark = _Mark(ks, variable, weakref.ref(owner), on, layer.__dict__[CLAIMS], eligible)
+        taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis, frozen)
+    # a stand-in while the layer slices; a kernel held dense (its slice moves often) changes elements without one
+    holder = attach(layer, variable, trained, with_index=ks.kind == "sampled") if on else None
+    mark = _Mark(ks, variable, weakref.ref(owner), on, layer.__dict__[CLAIMS], eligible, holder, _trained_key(frozen))
     plain = type(layer).call.__get__(layer)
-    tf_rows = ks.kind == "rows" and keras_backend() == "tensorflow"  # read by rows on every mode
+    if holder is not None:  # the stand-in goes with the Freezer: the model keeps no variable it would not train
+        weakref.finalize(owner, detach, layer, holder)
 
-    def sliced() -> bool:
-        return slicing() and (mark.live() if tf_rows else mark.now())
+    def now() -> bool:
+        return slicing() and mark.now()
 
-    if ks.kind in ("dense", "sampled"):
+    def standin():
+        return ops.convert_to_tensor(mark.standin)
+
+    index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind == "sampled" else (lambda: None)
+
+    if ks.kind in ("dense", "sampled") and not isinstance(layer, keras.layers.EinsumDense):
 
         def call(inputs, training=None):
-            if not sliced():
+            if not now():
                 return plain(inputs, training=training)
-            x = sliced_product(ops.matmul, inputs, ops.convert_to_tensor(layer.kernel), taken)
+            x = sliced_product(ops.matmul, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
             return _bias_and_activation(layer, x)
 
     elif ks.kind == "rows":
-        reversible = type(layer).call is not keras.layers.Embedding.call  # ReversibleEmbedding: its mask in call
-        model = weakref.ref(model_of) if model_of is not None else (lambda: None)
+        call = _lookup_call(layer, ks, plain, taken, mark, frozen, now, standin)
 
-        def call(inputs, **kwargs):
-            if not sliced() or kwargs.get("reverse"):  # reverse: the table as the output projection, Keras' own
-                return plain(inputs, **kwargs)
-            # a LossScaleOptimizer (mixed precision, or compiled around the wrapper) checks every gradient
-            # densely, which PyTorch's sparse one cannot be: it gets a dense one; so does a custom loop under
-            # gradients="auto" (the model is not compiled with the wrapper), whose own code may not take one
-            compiled = getattr(model(), "optimizer", None)
-            loop = mark.owner() is not None and mark.owner().gradients == "auto"
-            loop = loop and not isinstance(compiled, FreezingOptimizer)
-            scaled = isinstance(compiled, keras.optimizers.LossScaleOptimizer)
-            taken.sparse_rows = (
-                not (scaled or loop) and layer.dtype_policy.compute_dtype == layer.dtype_policy.variable_dtype
-            )
-            ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
-            outputs = ops.cast(looked_up(layer.embeddings, ids, taken), dtype=layer.compute_dtype)
-            mask = keras.layers.Embedding.compute_mask(layer, inputs) if reversible else None
-            if mask is not None:
-                set_keras_mask(outputs, mask)
-            return outputs
-
-    elif ks.kind == "einsum":
+    elif ks.kind in ("einsum", "sampled"):
 
         def product(a, k):
             return ops.einsum(layer.equation, a, k)
 
         def call(inputs, training=None):
-            if not sliced():
+            if not now():
                 return plain(inputs, training=training)
-            x = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken)
+            x = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
             return _bias_and_activation(layer, x)
 
     else:
@@ -200,11 +223,11 @@ def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None,
             )
 
         def call(inputs):
-            if not sliced():
+            if not now():
                 return plain(inputs)
             if causal:
                 inputs = ops.pad(inputs, layer._compute_causal_padding())
-            outputs = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken)
+            outputs = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin())
             if layer.use_bias:
                 if layer.data_format == "channels_last":
                     bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
@@ -217,6 +240,54 @@ def _give_call(layer, ks: KernelSlice, variable, owner, on: bool, model_of=None,
 
     layer.__dict__["call"] = call
     layer.__dict__[MARK] = mark
+
+
+def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standin):
+    """The call of an ``Embedding`` (or ``ReversibleEmbedding``) whose trained elements lie in some rows.
+
+    The lookup hands the trained rows' gradient to the stand-in; a tied
+    ``ReversibleEmbedding``'s reverse projection (the table as the output
+    layer) too: ``dlogits[..., rows]ᵀ · h``, never the table's whole
+    gradient. TensorFlow reads the table by rows on every mode (held dense,
+    its gradient is Keras' own ``IndexedSlices``).
+    """
+    reversible = type(layer).call is not keras.layers.Embedding.call  # ReversibleEmbedding: its mask in call
+    tf_rows = keras_backend() == "tensorflow"
+    transposed = Taken(ks.shape[::-1], (None, ks.index[0]), (-1, None), (None, -1), frozen, transposed=True)
+
+    def lookup_call(inputs):
+        ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
+        if now():
+            outputs = looked_up(layer.embeddings, ids, taken, standin())
+        else:
+            outputs = read_rows(layer.embeddings, ids)
+        outputs = ops.cast(outputs, dtype=layer.compute_dtype)
+        mask = keras.layers.Embedding.compute_mask(layer, inputs) if reversible else None
+        if mask is not None:
+            set_keras_mask(outputs, mask)
+        return outputs
+
+    def reverse_call(inputs):
+        kernel = ops.transpose(ops.convert_to_tensor(layer.embeddings))
+        if layer.reverse_dtype is not None:
+            inputs = ops.cast(inputs, layer.reverse_dtype)
+            kernel = ops.cast(kernel, layer.reverse_dtype)
+        logits = sliced_product(ops.matmul, inputs, kernel, transposed, standin())
+        if layer.logit_soft_cap is not None:
+            soft_cap = layer.logit_soft_cap
+            logits = ops.multiply(ops.tanh(ops.divide(logits, soft_cap)), soft_cap)
+        return logits
+
+    def call(inputs, **kwargs):
+        if kwargs.get("reverse"):
+            if now() and getattr(layer, "tie_weights", False):
+                return reverse_call(inputs)
+            return plain(inputs, **kwargs)
+        if now() or (tf_rows and slicing() and mark.live()):
+            return lookup_call(inputs)
+        return plain(inputs, **kwargs)
+
+    return call
 
 
 def _bias_and_activation(layer, x):

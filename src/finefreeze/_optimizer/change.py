@@ -54,6 +54,8 @@ def in_place(opt, layout: Layout, var_list) -> bool:
             return False
         if e.kind == Kind.COMPACT and enf.block != e.block:
             return False  # a sliced kernel's step takes its trained block by slices: rebuilt (and retraced)
+        if enf.standin is not e.standin:
+            return False  # the layer hands the gradient to another stand-in (or to none): rebuilt on it
         scale = scale_value(e, enf)
         if (scale is None) != (enf.scale is None) or (
             scale is not None and tuple(scale.shape) != tuple(enf.scale.shape)

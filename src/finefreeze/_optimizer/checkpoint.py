@@ -16,6 +16,7 @@ position, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 
@@ -26,7 +27,18 @@ from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._kinds import Kind
 from finefreeze._optimizer import ages, migrate
 
-__all__ = ["KEY", "born_as_saved", "enforced", "load", "masks", "positional_keys", "read", "record", "write"]
+__all__ = [
+    "KEY",
+    "born_as_saved",
+    "enforced",
+    "load",
+    "load_plain",
+    "masks",
+    "positional_keys",
+    "read",
+    "record",
+    "write",
+]
 
 #: the store entry of the record (Keras' own entries are "0", "1", ...)
 KEY = "finefreeze_checkpoint"
@@ -147,9 +159,9 @@ def load(opt, store) -> bool:
     if frz is None:
         born_as_saved(opt, rec, store)
         keys = positional_keys(store)
-        if len(keys) != len(opt.variables):
+        if len(keys) != len(opt.stored_variables()):
             warnings.warn(
-                f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt.variables)} variables "
+                f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt.stored_variables())} variables "
                 f"and the checkpoint {len(keys)}; a checkpoint written after a plan change loads into an "
                 "optimizer made by a Freezer (frz.wrap) of the model.",
                 FreezeWarning,
@@ -162,13 +174,14 @@ def load(opt, store) -> bool:
         frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0), rec.get("gradients"))
         born_as_saved(opt, rec, store)
     keys = positional_keys(store)
-    if len(keys) != len(opt.variables):
+    stored = opt.stored_variables()
+    if len(keys) != len(stored):
         raise PlanError(
             f"the checkpoint holds {len(keys)} optimizer variables for its plan, but the optimizer has "
-            f"{len(opt.variables)} once that plan is in force: it was written by another optimizer "
+            f"{len(stored)} once that plan is in force: it was written by another optimizer "
             f"(this one wraps {type(opt.inner_optimizer).__name__}). Resume with the optimizer the run started with."
         )
-    for i, variable in enumerate(opt.variables):
+    for i, variable in enumerate(stored):
         variable.assign(store[str(i)])
     if frz is not None:
         frz.rebase()
@@ -210,3 +223,63 @@ def _same_path(path: str, enforcers):
         return exact[0]
     near = [e for e in enforcers if path.endswith("/" + e.path) or e.path.endswith("/" + path)]
     return near[0] if len(near) == 1 else None
+
+
+def load_plain(opt, store) -> None:
+    """Keras' own loading, by position, of a checkpoint without a record (plain Keras, release 0.2 or older)."""
+    stored = opt.stored_variables()
+    keys = positional_keys(store)
+    if len(keys) != len(stored):
+        warnings.warn(
+            f"Skipping variable loading for optimizer {opt.name!r}, because it has {len(stored)} variables "
+            f"whereas the saved optimizer has {len(keys)} variables.",
+            stacklevel=4,
+        )
+        return
+    for i, variable in enumerate(stored):
+        variable.assign(store[str(i)])
+
+
+def stored(opt) -> list:
+    """The variables ``opt`` saves: its own and the inner optimizer's, with each stand-in where ``compact``'s vector is.
+
+    A sliced kernel's ``compact`` vector is the stand-in its layer hands the
+    gradient to (a model variable), not a variable of the optimizer; it is
+    saved in the place the optimizer's own vector has, right after its
+    index, so a run that slices a kernel and one that does not write the
+    same checkpoint, and files of earlier releases load.
+    """
+    after = {id(e.index): e.standin for e in opt.enforcers if e.standin is not None and e.kind == Kind.COMPACT}
+    out = []
+    for w in opt.variables:
+        out.append(w)
+        if id(w) in after:
+            out.append(after[id(w)])
+    return out
+
+
+@contextlib.contextmanager
+def _as_saved(opt):
+    """``opt``'s variables as saved: without the gradient norms, whether FreezeBoard tracks them or not."""
+    tracking, opt.track_gradient_norms = opt.track_gradient_norms, False
+    try:
+        yield
+    finally:
+        opt.track_gradient_norms = tracking
+
+
+def save(opt, store) -> None:
+    """Write ``opt``'s variables by position (:func:`stored`) and, once it is built, the record."""
+    with _as_saved(opt):
+        variables = stored(opt)
+        for i, w in enumerate(variables):
+            store[str(i)] = w.numpy()
+        if opt.built and opt.layout is not None:
+            write(store, record(opt, variables))
+
+
+def load_into(opt, store) -> None:
+    """Load ``store`` into ``opt``: through its record (:func:`load`), else by position as Keras does."""
+    with _as_saved(opt):
+        if not load(opt, store):
+            load_plain(opt, store)

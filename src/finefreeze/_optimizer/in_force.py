@@ -17,6 +17,7 @@ import warnings
 from finefreeze._backends.questions import keras_is_jax
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._resolve.resolve import PARTIAL, TRAINABLE
+from finefreeze._resolve.standins import is_standin
 from finefreeze._resolve.targets import var_path
 
 __all__ = [
@@ -85,7 +86,7 @@ def _which(frz) -> str:
 def _foreign(opt, var_list) -> bool:
     """Whether ``var_list`` holds a variable ``opt``'s plan was not resolved against (another model's)."""
     res = opt._resolution
-    return res is not None and any(res.lookup(v) is None for v in var_list)
+    return res is not None and any(res.lookup(v) is None and not is_standin(v) for v in var_list)
 
 
 def _message(opt, missing, consequence: str, what: str = "it trains") -> str:

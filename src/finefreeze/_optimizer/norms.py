@@ -32,9 +32,17 @@ def read(norms) -> tuple[float, float]:
 
 
 def record(norms, raw) -> None:
-    """Write the norms of the raw gradient on trainable and on frozen elements into ``norms``."""
+    """Write the norms of the raw gradient on trainable and on frozen elements into ``norms``.
+
+    ``raw``: ``(enforcer, gradient, stand-in's gradient)`` per variable; a
+    stand-in's gradient is of trained elements only (a sliced layer computes
+    none for frozen ones).
+    """
     tn, fn = ops.zeros(()), ops.zeros(())
-    for e, g in raw:
+    for e, g, standin_g in raw:
+        if standin_g is not None:
+            tn += ops.sum(ops.square(ops.cast(flat_dense(standin_g), "float32")))
+            continue
         if g is None:
             continue
         g = ops.cast(flat_dense(g), "float32")

@@ -12,7 +12,6 @@ the inner optimizer; partially frozen ones go through their enforcer's
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import keras
@@ -138,11 +137,12 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             own = own + list(self._enforcers.norms)
         return own
 
+    def stored_variables(self) -> list:
+        """The variables as saved: each stand-in where ``compact``'s vector is (``checkpoint.stored``)."""
+        return checkpoint.stored(self)
+
     def save_own_variables(self, store):
-        with self._norms_untracked():
-            super().save_own_variables(store)
-            if self.built and self._layout is not None:
-                checkpoint.write(store, checkpoint.record(self, self.variables))
+        checkpoint.save(self, store)
 
     def load_own_variables(self, store):
         """Load the saved state; a checkpoint written under another plan puts that plan in force first.
@@ -151,18 +151,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             PlanError: the checkpoint's masks do not resolve against this
                 optimizer's model, or its record is newer than this release.
         """
-        with self._norms_untracked():
-            if not checkpoint.load(self, store):
-                super().load_own_variables(store)
-
-    @contextlib.contextmanager
-    def _norms_untracked(self):
-        """The variables as saved: without the gradient norms, whether FreezeBoard tracks them or not."""
-        tracking, self.track_gradient_norms = self.track_gradient_norms, False
-        try:
-            yield
-        finally:
-            self.track_gradient_norms = tracking
+        checkpoint.load_into(self, store)
 
     @property
     def learning_rate(self):
@@ -341,19 +330,24 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             in_force.warn_not_in_force(self, trainable_variables)
         all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))
         inner_g, inner_v, pending, seen, writes, raw = [], [], [], set(), [], []
+        # a sliced layer hands its trained elements' gradient to their stand-in, and none to the kernel
+        to_standins = {
+            id(enf.by_standin[id(v)]): g for g, v in zip(grads, trainable_variables) if id(v) in enf.by_standin
+        }
         for g, v in zip(grads, trainable_variables):
-            if id(v) in enf.frozen_ids:
+            if id(v) in enf.frozen_ids or id(v) in enf.by_standin:
                 continue
             e = enf.by_id.get(id(v))
             if e is None:
                 if in_force.plan_freezes(self, v):  # handed in by another plan's flags: frozen here
                     continue
                 raise in_force.not_built_on(self, v)
-            if g is None and not all_steps:
+            standin_g = to_standins.get(id(e)) if e.sliced_now() else None
+            if g is None and standin_g is None and not all_steps:
                 continue
             seen.add(id(v))
-            raw.append((e, g))
-            ig, ctx = e.prepare(g, writes)
+            raw.append((e, g, standin_g))
+            ig, ctx = e.prepare(g, writes, standin_g)
             if ig is not None:
                 inner_g.append(ig)
                 inner_v.append(e.inner_variable)
@@ -374,7 +368,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         writes = []
         for e, ctx in pending:
             e.finish(ctx, writes)
-        write_all(writes)
+        write_all(writes, after=grads)
 
     def trains_outside(self, var_list=None) -> list[str]:
         """Paths its plan trains that are not in ``var_list`` (default: what it is built on)."""

@@ -31,9 +31,9 @@ _OWN = ("sliced", "sampled")  # gradients the summary tags
 def _gradient(s) -> str:
     """How the variable's gradient is computed: ``sliced`` (its trained block only), ``sampled`` (its trained
     elements only), ``sparse`` or ``dense``."""
-    if sparse_gradients(s.info.owner):  # TensorFlow embeddings: the batch's rows (IndexedSlices)
-        return "sparse"
     ks = sliced_gradient(s.info.owner, s.variable) if s.state == PARTIAL else None
+    if ks is None and sparse_gradients(s.info.owner):  # TensorFlow embeddings: the batch's rows (IndexedSlices)
+        return "sparse"
     return "dense" if ks is None else "sampled" if ks.kind == "sampled" else "sliced"
 
 

@@ -2,8 +2,9 @@
 
 Owns: collecting a target's variables (``targets``), names as scopes
 (``scopes``), compact masks (``masks``), blocks of a model (``blocks``), the
-immutable ``Resolution`` (``resolve``) and the fingerprint of frozen elements
-that ``verify`` checks (``fingerprint``).
+immutable ``Resolution`` (``resolve``), the fingerprint of frozen elements
+that ``verify`` checks (``fingerprint``) and the stand-ins of sliced
+kernels' trained elements (``standins``).
 
 May import: ``finefreeze._errors``, ``_backends``, ``_plan``.
 """

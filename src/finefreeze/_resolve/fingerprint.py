@@ -38,10 +38,11 @@ def _words(value: np.ndarray) -> np.ndarray:
 def block_hashes(value: np.ndarray, frozen: np.ndarray | None) -> np.ndarray:
     """One uint64 per block of ``BLOCK`` elements of ``value``'s frozen part."""
     words = _words(value)
-    if frozen is not None:
-        words = np.where(frozen.reshape(-1), words, 0)
+    frozen = None if frozen is None else frozen.reshape(-1)
     n = words.size
     if 0 < n <= BLOCK:  # one block: the padded sum without the padding
+        if frozen is not None:
+            words = np.where(frozen, words, 0)
         with np.errstate(over="ignore"):
             return np.array([(words.astype(np.uint64) * _MULT[:n]).sum(dtype=np.uint64)], dtype=np.uint64)
     n_blocks = (n + BLOCK - 1) // BLOCK
@@ -50,6 +51,8 @@ def block_hashes(value: np.ndarray, frozen: np.ndarray | None) -> np.ndarray:
     with np.errstate(over="ignore"):
         for b0 in range(0, n_blocks, _CHUNK_BLOCKS):
             chunk = words[b0 * BLOCK : b0 * BLOCK + step].astype(np.uint64)
+            if frozen is not None:  # trainable elements count as 0, chunk by chunk: no copy of the variable
+                chunk[~frozen[b0 * BLOCK : b0 * BLOCK + step]] = 0
             pad = (-chunk.size) % BLOCK
             if pad:
                 chunk = np.concatenate([chunk, np.zeros(pad, dtype=np.uint64)])

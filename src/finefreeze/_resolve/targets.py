@@ -13,6 +13,7 @@ from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._backends.read import read
 from finefreeze._errors import PlanError
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
+from finefreeze._resolve.standins import is_standin_layer
 
 __all__ = ["VarInfo", "Target", "collect", "var_path"]
 
@@ -228,7 +229,8 @@ def _collect_keras(root) -> Target:
                 )
             )
         for sub in layer._layers:
-            walk(sub, (*scope, sub.name), lora_root)
+            if not is_standin_layer(sub):  # a sliced kernel's trained elements: the Freezer's, never a target's
+                walk(sub, (*scope, sub.name), lora_root)
 
     walk(root, ())
     order = {id(v): i for i, v in enumerate(root.weights)}

@@ -17,7 +17,26 @@ from finefreeze._resolve.targets import collect
 from finefreeze._select.scores import DATA_SCORES, SCORES, static_score, stream_scores
 from finefreeze._select.structure import STRUCTURES, choose_slices, slice_axis
 
-__all__ = ["select", "top_k", "split_budget"]
+__all__ = ["FISHER_MEMORY", "auto_microbatch", "select", "top_k", "split_budget"]
+
+#: ``select(..., microbatch="auto")``: the bytes of float32 per-example gradients ``fisher`` holds at once
+FISHER_MEMORY = 256 * 2**20
+
+
+def auto_microbatch(scored: int) -> int:
+    """Examples per vectorised per-example gradient: as many as fit :data:`FISHER_MEMORY`, 1 to 16.
+
+    Args:
+        scored: elements of the scored variables (each example's gradient holds them all).
+
+    Returns:
+        The microbatch, between 1 and 16.
+
+    Example:
+        >>> auto_microbatch(1_000_000), auto_microbatch(150_000_000)
+        (16, 1)
+    """
+    return max(1, min(16, FISHER_MEMORY // (4 * max(1, int(scored)))))
 
 
 def _keys(a: np.ndarray) -> np.ndarray:
@@ -113,7 +132,7 @@ def select(
     largest: bool = True,
     batch_size: int = 32,
     batches: int | None = None,
-    microbatch: int = 16,
+    microbatch: int | str = "auto",
     per_example: str = "auto",
     epochs: int = 1,
     optimizer: keras.optimizers.Optimizer | None = None,
@@ -158,16 +177,22 @@ def select(
         largest: for ``magnitude``: the largest (True) or smallest weights.
         batch_size: batch size when ``data`` is arrays.
         batches: use at most this many batches (per epoch for ``delta``).
-        microbatch: examples per vectorised per-example gradient (``fisher``).
+        microbatch: examples per vectorised per-example gradient (``fisher``):
+            they hold ``microbatch`` gradients of every scored element at
+            once, the memory that bounds ``fisher``. ``"auto"``: as many as
+            :data:`FISHER_MEMORY` bytes of float32 per-example gradients
+            hold, at most 16, at least 1 (one example of a model with more
+            than 64 M scored elements).
         per_example: how ``fisher`` takes per-example gradients:
             ``"vectorized"`` (``tf.vectorized_map``, ``jax.vmap``,
             ``torch.func.vmap``), ``"loop"`` (one example after the other,
             one gradient at a time: slower on TensorFlow and PyTorch, faster
             on JAX on a CPU for dense models), or ``"auto"``: vectorised,
             except the loop for models
-            with a ``MultiHeadAttention`` layer on TensorFlow (its vectorised
-            gradient crashes TensorFlow 2.21) and, on PyTorch, from the first
-            microbatch ``vmap`` cannot batch on.
+            with a ``MultiHeadAttention`` or ``Softmax`` layer on TensorFlow
+            (KerasHub's attention too: their vectorised gradient crashes
+            TensorFlow 2.21) and, on TensorFlow and PyTorch, from the first
+            microbatch the vectorised gradient fails on.
         epochs: passes over the data for ``delta``.
         optimizer: a fresh Keras optimizer for ``delta`` (default ``Adam(1e-3)``).
         seed: seed of ``random``.
@@ -195,8 +220,11 @@ def select(
     if score not in SCORES:
         raise PlanError(f"select: unknown score {score!r}; choose one of {', '.join(SCORES)}.")
     for name, v in (("batch_size", batch_size), ("microbatch", microbatch), ("epochs", epochs)):
+        if name == "microbatch" and v == "auto":
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise PlanError(f"select: {name} must be an int >= 1; got {v!r}.")
+            also = ' or "auto"' if name == "microbatch" else ""
+            raise PlanError(f"select: {name} must be an int >= 1{also}; got {v!r}.")
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
     if structure not in STRUCTURES:
@@ -228,6 +256,8 @@ def select(
     if n == 0:
         raise PlanError("select: no element is left to choose from after include= and exclude=.")
     k = _budget(budget, n)
+    if microbatch == "auto":
+        microbatch = auto_microbatch(sum(vi.size for vi in cand))
     if score in DATA_SCORES:
         try:
             scores = stream_scores(

@@ -1,0 +1,128 @@
+"""The sampled product: the gradient of a kernel's scattered trained elements, one dot product each.
+
+A kernel of which a few elements train, scattered (a ``select`` at a small
+budget, ``mask=`` of random elements), lies in no small block. Its trained
+elements' gradient is ``sum_n x[n, a] * dy[n, b]`` for each of them: ``a``
+the column of the layer's input and ``b`` the column of its output
+gradient that the element joins. :class:`Sampled` computes those dot
+products only, gathering the columns in chunks of a bounded size, for
+``Dense`` and ``EinsumDense`` kernels and a tied table's reverse projection;
+:func:`finefreeze._backends.slices.sliced_product` hands them to the
+kernel's stand-in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import keras
+from keras import ops
+
+__all__ = ["SAMPLED_CHUNK", "Sampled"]
+
+#: the sampled product gathers at most this many values of ``x`` (and of ``dy``) at a time
+SAMPLED_CHUNK = 1 << 21
+
+
+class Sampled:
+    """Scattered trained elements of a kernel: their gradient ``sum_n x[n, a] * dy[n, b]`` only (a sampled product).
+
+    ``x`` is laid out as ``(N, A)``: its axes that are not the kernel's
+    (batch, sequence) first, flattened to ``N``, then the kernel's axes it
+    is contracted with, in the kernel's order, flattened to ``A``; ``dy``
+    likewise as ``(N, B)``. Each trained element is then a column ``a`` of
+    ``x`` and a column ``b`` of ``dy``, and its gradient their dot product
+    over ``N``. ``a`` and ``b`` are computed in the step from the elements'
+    flat indices (a variable: indices compiled into the program as
+    constants would cost the compiler gigabytes). The columns are gathered
+    for at most :data:`SAMPLED_CHUNK` values of each at a time
+    (``keras.ops.map`` over chunks of elements), so no temporary grows with
+    the kernel.
+
+    Args:
+        x_spec, k_spec, y_spec: the einsum letters of ``x``, the kernel and
+            ``y`` (``...`` allowed in ``x`` and ``y``, for the same leading axes).
+        shape: the kernel's shape, as the product reads it.
+        count: the number of trained elements.
+        transposed: the product reads the transpose of the variable the
+            indices are of (a tied table's reverse projection).
+    """
+
+    def __init__(self, x_spec: str, k_spec: str, y_spec: str, shape, count: int, transposed: bool = False):
+        self.x_spec, self.k_spec, self.y_spec = x_spec, k_spec, y_spec
+        self.shape = tuple(int(d) for d in shape)
+        self.count = int(count)
+        self.transposed = transposed
+        self.dims = dict(zip(k_spec, self.shape))
+        self.xk = [c for c in k_spec if c in x_spec]
+        self.yk = [c for c in k_spec if c in y_spec]
+        self.width_x = math.prod(self.dims[c] for c in self.xk)
+        self.width_y = math.prod(self.dims[c] for c in self.yk)
+        self._gradient = self.weight_gradient  # one function for every call (compilers guard on it)
+
+    def gradient_of(self, op: Callable) -> Callable:
+        """``(x, dy, flat indices) -> the stand-in's gradient`` (``op`` is the layer's product)."""
+        return self._gradient
+
+    def columns(self, flat):
+        """``(a, b)``: each element's column of ``x`` and of ``dy``, from its flat index in the variable."""
+        letters = self.k_spec[::-1] if self.transposed else self.k_spec  # the variable's axes
+        strides, acc = {}, 1
+        for c in reversed(letters):
+            strides[c] = acc
+            acc *= self.dims[c]
+        part = {c: (flat // strides[c]) % self.dims[c] for c in letters}
+
+        def ravel(cs):
+            out = ops.zeros_like(flat)
+            for c in cs:
+                out = out * self.dims[c] + part[c]
+            return out
+
+        return ravel(self.xk), ravel(self.yk)
+
+    def _as_columns(self, t, spec: str, kernel_letters: list[str], width: int):
+        """``t`` (with einsum letters ``spec``) as ``(N, width)``: its other axes first, then ``kernel_letters``."""
+        if "..." in spec:
+            pre, post = spec.split("...")
+            free = [f"_{i}" for i in range(len(t.shape) - len(pre) - len(post))]
+            letters = list(pre) + free + list(post)
+        else:
+            letters = list(spec)
+        batch = sorted((c for c in letters if c not in self.k_spec), key=self._batch_order)
+        perm = [letters.index(c) for c in batch + kernel_letters]
+        if perm != list(range(len(perm))):
+            t = ops.transpose(t, perm)
+        return ops.reshape(t, (-1, width))
+
+    def _batch_order(self, c: str):
+        """The same order of the batch axes for ``x`` and ``y``: ``...``'s first, then ``y``'s letters."""
+        if c.startswith("_"):
+            return (0, int(c[1:]))
+        y = self.y_spec.replace("...", "")
+        return (1, y.index(c) if c in y else len(y))
+
+    def weight_gradient(self, x, dy, flat):
+        x = self._as_columns(x, self.x_spec, self.xk, self.width_x)
+        dy = self._as_columns(dy, self.y_spec, self.yk, self.width_y)
+        dtype = keras.backend.standardize_dtype(x.dtype)
+        wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
+        xt, dyt = ops.transpose(x), ops.transpose(dy)  # each element's column a contiguous row
+        tokens = x.shape[0]  # unknown in a graph traced for any batch: chunks for 512 tokens
+        per = max(1, min(self.count, SAMPLED_CHUNK // (int(tokens) if tokens is not None else 512)))
+        chunks = -(-self.count // per)
+        a, b = self.columns(ops.convert_to_tensor(flat))
+        if chunks * per > self.count:  # (ops.pad would make a named Keras operation at every step)
+            zeros = ops.zeros((chunks * per - self.count,), a.dtype)
+            a, b = ops.concatenate([a, zeros]), ops.concatenate([b, zeros])
+        pairs = ops.stack([ops.reshape(a, (chunks, per)), ops.reshape(b, (chunks, per))], axis=1)
+
+        def dots(pair):
+            xa = ops.cast(ops.take(xt, pair[0], axis=0), wide)
+            yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)
+            return ops.sum(xa * yb, axis=1)
+
+        if chunks == 1:
+            return dots(pairs[0])[: self.count]
+        return ops.reshape(ops.map(dots, pairs), (-1,))[: self.count]  # float32 sums; the tap casts them

@@ -1,0 +1,137 @@
+"""Stand-ins: the trained elements of a partially frozen kernel as a trainable variable of their own.
+
+Keras computes gradients for the variables a model trains, each in its
+variable's shape: a kernel of which 1 % trains would get a kernel-shaped
+gradient. A sliced layer (``sliced_calls``) hands the gradient of the
+kernel's trained elements to a *stand-in* instead, a flat variable of those
+elements alone in sorted flat order, and the kernel gets none. The
+optimizer updates the stand-in (it is ``compact``'s vector: the inner
+optimizer's state is made for it) and writes it back into the kernel in
+place; before each update the stand-in is refilled from the kernel, so a
+kernel written outside training (``load_weights``, a checkpoint) is what
+trains on.
+
+A stand-in lives in a small layer (:class:`TrainedElements`) held in the
+kernel's layer's sublayers, so that every Keras trainer (which asks the
+model for its trainable variables) computes its gradient. It is not an
+attribute of the layer: a saved model holds no trace of it and loads as
+plain Keras, and the optimizer saves it where ``compact``'s vector always
+was. It goes when its Freezer goes or stops slicing the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import keras
+import numpy as np
+
+from finefreeze._backends.distribute import owner_scope
+from finefreeze._backends.variables import eager_scope
+
+__all__ = ["TrainedElements", "attach", "detach", "held", "is_standin", "is_standin_layer", "kernel_of"]
+
+#: id of each live stand-in -> (weak reference to it, weak reference to its kernel)
+_KERNELS: dict[int, tuple] = {}
+#: id of each variable a stand-in's layer holds (its values and index) -> weak reference to it
+_HELD: dict[int, object] = {}
+
+
+def _forget(key: int):
+    """The weak reference callback that drops ``key`` from :data:`_HELD`."""
+    return lambda _: _HELD.pop(key, None)
+
+
+def held(variable) -> bool:
+    """Whether ``variable`` is one a stand-in's layer holds (its values or its index): not one of the model's own."""
+    ref = _HELD.get(id(variable))
+    return ref is not None and ref() is variable
+
+
+def kernel_of(variable):
+    """The kernel whose trained elements ``variable`` stands in for, or None (not a stand-in)."""
+    entry = _KERNELS.get(id(variable))
+    if entry is None or entry[0]() is not variable:
+        return None
+    return entry[1]()
+
+
+def is_standin(variable) -> bool:
+    """Whether ``variable`` is a stand-in (plans, targets and layouts pass over it)."""
+    return kernel_of(variable) is not None
+
+
+class TrainedElements(keras.layers.Layer):
+    """A layer holding one stand-in: ``values``, the trained elements of ``variable`` (flat indices ``trained``).
+
+    With ``with_index``, also ``index``: those flat indices as a
+    non-trainable variable, which a sampled product reads in the step (an
+    index the step reads as a constant would be compiled into the program).
+
+    Args:
+        variable: the partially frozen kernel.
+        trained: the sorted flat indices of its trained elements.
+        name: the layer's name.
+        with_index: also hold the indices.
+    """
+
+    def __init__(self, variable, trained: np.ndarray, name: str, with_index: bool = False):
+        super().__init__(name=name, trainable=True, dtype=variable.dtype)
+        with eager_scope():
+            values = np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[trained]
+        self._of = weakref.ref(variable)  # a weak reference: Keras would track a variable as this layer's own
+        self.values = self.add_weight(
+            shape=values.shape,
+            dtype=variable.dtype,
+            initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(values, dtype=dtype),
+            trainable=True,
+            name="values",
+        )
+        self.index = None
+        if with_index:
+            size = int(np.prod(variable.shape, dtype=np.int64))
+            flat = np.asarray(trained).astype(np.int32 if size <= np.iinfo(np.int32).max + 1 else np.int64)
+            self.index = self.add_weight(
+                shape=flat.shape,
+                dtype=str(flat.dtype),
+                initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(flat, dtype=dtype),
+                trainable=False,
+                name="index",
+            )
+        self.built = True
+        key = id(self.values)
+        _KERNELS[key] = (weakref.ref(self.values, lambda _: _KERNELS.pop(key, None)), weakref.ref(variable))
+        for w in (self.values, self.index):
+            if w is not None:
+                _HELD[id(w)] = weakref.ref(w, _forget(id(w)))
+
+    @property
+    def of(self):
+        """The kernel whose trained elements this holds (None once it is gone)."""
+        return self._of()
+
+    def call(self, inputs):  # never called: it only holds the variable
+        return inputs
+
+
+def is_standin_layer(layer) -> bool:
+    """Whether ``layer`` only holds a stand-in (targets, reports and plans pass over it)."""
+    return isinstance(layer, TrainedElements)
+
+
+def attach(layer, variable, trained: np.ndarray, with_index: bool = False) -> TrainedElements:
+    """A stand-in of ``variable``'s trained elements, held by ``layer`` (made in the variable's distribution scope)."""
+    name = f"{variable.name}_trained"
+    with owner_scope([variable]), contextlib.ExitStack() as scopes:
+        for part in layer.path.split("/"):  # its path is the layer's: ``layer/kernel_trained/values``
+            scopes.enter_context(keras.name_scope(part))
+        holder = TrainedElements(variable, np.asarray(trained, dtype=np.int64), name=name, with_index=with_index)
+    layer._layers.append(holder)
+    return holder
+
+
+def detach(layer, holder: TrainedElements) -> None:
+    """Take the stand-in ``holder`` out of ``layer``."""
+    if holder in layer._layers:
+        layer._layers.remove(holder)
