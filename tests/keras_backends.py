@@ -1,4 +1,4 @@
-"""Which Keras backend runs which test: a pytest plugin (``-p keras_backends`` in pyproject's addopts).
+"""Which Keras backend runs which test: a pytest plugin (the root ``conftest.py`` loads it).
 
 Every test runs on every Keras backend (the one ``KERAS_BACKEND`` names)
 unless the test itself says otherwise, with a reason::

@@ -30,6 +30,9 @@ def run_on(backend: str, *args: str, cwd=ROOT, timeout=600, hide: bool | None = 
         env.pop(HIDE, None)
         if hide:
             env[HIDE] = "1"
+        else:  # the run's hiding sitecustomize stays off the child's path too: TensorFlow is importable there
+            paths = env["PYTHONPATH"].split(os.pathsep)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if pathlib.Path(p).name != "hide_tensorflow")
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

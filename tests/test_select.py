@@ -408,3 +408,15 @@ def test_data_that_does_not_fit_the_model_is_a_plan_error():
     x, y = np.ones((16, 3), "float32"), np.zeros(16, "int32")  # 3 features for a model of 6
     with pytest.raises(ff.PlanError, match="select: the data does not fit the model"):
         ff.select(m, (x, y), budget=3, loss=LOSS, verbose=0)
+
+
+def test_numpy_integers_are_counts_and_microbatch_auto_is_checked():
+    """``batch_size=np.int64(4)`` is a count like 4; a microbatch that is neither a count nor "auto" is refused."""
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a")], name="n")
+    x, y = np.random.default_rng(0).normal(size=(8, 4)), np.random.default_rng(1).normal(size=(8, 3))
+    a = ff.select(m, (x, y), budget=2, loss="mse", batch_size=np.int64(4), microbatch=np.int32(2), verbose=0)
+    b = ff.select(m, (x, y), budget=2, loss="mse", batch_size=4, microbatch=2, verbose=0)
+    assert [r.to_dict() for r in a.rules] == [r.to_dict() for r in b.rules]
+    for bad in (0, "AUTO", 2.0, [1]):
+        with pytest.raises(ff.PlanError, match='microbatch must be an int >= 1 or "auto"'):
+            ff.select(m, (x, y), budget=2, loss="mse", microbatch=bad, verbose=0)

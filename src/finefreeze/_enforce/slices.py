@@ -78,8 +78,9 @@ AUTO_PAYS = {
     "torch": (0.5, 0.25, 1 << 16),
 }
 
-#: ``gradients="sliced"``: the largest fraction of a ``Dense`` kernel whose scattered trained elements get the
-#: sampled product (at 1 % it already lost to the whole product on JAX and PyTorch)
+#: ``gradients="sliced"``: the largest fraction of a ``Dense`` or ``EinsumDense`` kernel whose scattered trained
+#: elements get the sampled product; it is the memory choice (no kernel-shaped gradient), slower than the whole
+#: product from about 1 % on JAX and PyTorch on a CPU
 SAMPLE_AT_MOST = 0.05
 
 #: ``gradients="auto"``, per backend: the largest fraction of a ``Dense`` kernel (of at least the elements

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any
 
@@ -220,13 +221,16 @@ def select(
     if score not in SCORES:
         raise PlanError(f"select: unknown score {score!r}; choose one of {', '.join(SCORES)}.")
     for name, v in (("batch_size", batch_size), ("microbatch", microbatch), ("epochs", epochs)):
-        if name == "microbatch" and v == "auto":
+        if name == "microbatch" and isinstance(v, str) and v == "auto":
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
             also = ' or "auto"' if name == "microbatch" else ""
             raise PlanError(f"select: {name} must be an int >= 1{also}; got {v!r}.")
-    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
+    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, numbers.Integral) or batches < 1):
         raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
+    batch_size, epochs = int(batch_size), int(epochs)  # NumPy integers too
+    microbatch = microbatch if isinstance(microbatch, str) else int(microbatch)
+    batches = None if batches is None else int(batches)
     if structure not in STRUCTURES:
         raise PlanError(f"select: structure={structure!r}; choose one of {', '.join(map(repr, STRUCTURES))}.")
     if per_example not in ("auto", "vectorized", "loop"):
