@@ -469,3 +469,37 @@ def test_a_sliced_step_names_no_keras_operation_so_torch_compile_compiles_it_onc
         before = names()
         m.train_on_batch(*data)
         assert names() == before, (case, {k: v for k, v in names().items() if before.get(k) != v})
+
+
+def _freezer_gone(x, y):
+    import gc
+
+    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, name="d"), keras.layers.Dense(2, name="h")])
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train("**/d/kernel[:, :8]")]), gradients="sliced")
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.fit(x, y, epochs=1, verbose=0)
+    assert len(m.weights) == 5  # the stand-in of d/kernel's 8 columns
+    del frz
+    gc.collect()
+    assert len(m.weights) == 4
+    return m
+
+
+def test_a_model_whose_freezer_is_gone_trains_on_exactly_or_says_how_to_bind_a_new_one():
+    """The stand-ins go with the Freezer; ``Freezer.of(model)`` binds a new one to the compiled optimizer.
+
+    TensorFlow and PyTorch train on with the dense gradient; Keras' JAX trainer compiled its step
+    on the stand-ins, so it gets a PlanError that names the fix.
+    """
+    x = RNG.normal(size=(32, 64)).astype("float32")
+    y = RNG.normal(size=(32, 2)).astype("float32")
+    m = _freezer_gone(x, y)
+    before = keras.ops.convert_to_numpy(m.get_layer("d").kernel).copy()
+    frz = ff.Freezer.of(m) if BACKEND == "jax" else None
+    m.fit(x, y, epochs=1, verbose=0)
+    after = keras.ops.convert_to_numpy(m.get_layer("d").kernel)
+    assert np.array_equal(after[:, 8:], before[:, 8:]) and (after[:, :8] != before[:, :8]).any()
+    del frz
+    if BACKEND == "jax":
+        with pytest.raises(ff.PlanError, match=r"its Freezer is gone.*ff\.Freezer\.of\(model\)"):
+            _freezer_gone(x, y).fit(x, y, epochs=1, verbose=0)

@@ -135,6 +135,13 @@ def check_stateless(opt, trainable_variables) -> None:
     frz = opt.freezer
     built = opt._trainable_variables
     if [tuple(v.shape) for v in trainable_variables] != [tuple(v.shape) for v in built]:
+        if frz is None and len(trainable_variables) < len(built):  # its stand-ins went with the Freezer
+            raise PlanError(
+                f"this optimizer was built on {len(built)} variables, the stand-ins of its sliced kernels among "
+                f"them, and its Freezer is gone with them: training hands it {len(trainable_variables)}. Keep "
+                "the Freezer referenced while the model trains, or call ff.Freezer.of(model) to bind a new one "
+                "to this optimizer before fit."
+            )
         which = _which(frz)
         raise PlanError(
             f"the plan this optimizer enforces is not the one in force: training hands it "
