@@ -192,6 +192,8 @@ def _torch_extra(model, x, kernel, frz, mode) -> int:
 EXTRA = {"tensorflow": _tensorflow_extra, "jax": _jax_extra, "torch": _torch_extra}[BACKEND]
 KINDS = ["columns", "heads", "channels", "rows", "tied rows", "scattered", "scattered einsum"]
 COMPILED = [m for m in MODES if m != "eager"] if BACKEND != "torch" else MODES
+# XLA's graph holds the same ops as the graph mode's: the quick tier checks graph mode only
+COMPILED = [pytest.param(m, marks=pytest.mark.slow) if m == "xla" else m for m in COMPILED]
 
 
 @pytest.mark.parametrize("mode", COMPILED)

@@ -51,7 +51,14 @@ def test_fisher_selection_runs_on_every_backend_and_auto_chooses_a_way_that_work
             ff.select(gemma(), (X, Y), budget=0.01, loss=LOSS, per_example="vectorized", verbose=0)
 
 
-@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "float32",
+        pytest.param("mixed_bfloat16", marks=pytest.mark.slow),
+        pytest.param("bfloat16", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("what", ["scattered", "new rows"])
 def test_an_llm_trains_scattered_elements_and_new_rows_through_stand_ins_and_keeps_the_rest(what, policy):
     """Frozen elements bit-identical; the kernels' and the table's gradients reach stand-ins of the kernels' dtype."""
