@@ -156,7 +156,7 @@ def _jax_extra(model, x, kernel, frz, mode) -> int:
 
 
 def _torch_extra(model, x, kernel, frz, mode) -> int:
-    """Kernel-shaped results of the eager step that are not in-place writes or views."""
+    """Kernel-sized results of the eager step that are not in-place writes or views."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -164,7 +164,7 @@ def _torch_extra(model, x, kernel, frz, mode) -> int:
     variables = frz.trainable_variables
     step = train_step(opt, variables, _loss(model, x), mode)
     opt.build(variables)
-    shape = tuple(kernel.shape)
+    size = int(np.prod(kernel.shape))
     seen = []
 
     def storages(tree) -> set:
@@ -179,7 +179,7 @@ def _torch_extra(model, x, kernel, frz, mode) -> int:
             out = func(*args, **(kwargs or {}))
             inputs = storages((args, kwargs))
             for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and tuple(t.shape) == shape:
+                if isinstance(t, torch.Tensor) and t.numel() == size:  # kernel-sized, any shape (flat too)
                     if t.untyped_storage().data_ptr() not in inputs:
                         seen.append(func.__name__)
             return out
