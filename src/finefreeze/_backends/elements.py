@@ -1,0 +1,75 @@
+"""Read and write some elements of a variable in place, outside any train step (deltas in and out).
+
+- TensorFlow: ``scatter_nd_update`` on the variable's resource (through
+  :func:`~finefreeze._backends.variables.write_all`, so a distributed
+  variable's every copy is written).
+- JAX: a jitted scatter that donates the variable's buffer, so XLA writes
+  the elements into it (no second copy of the variable; the same donation
+  Keras' own train step makes).
+- PyTorch: ``index_copy_`` into the flattened value under ``no_grad``.
+
+A whole variable (``index`` None) is assigned. Reads gather the elements
+into a new numpy array (:func:`~finefreeze._backends.read.read` views the
+buffer: no copy of the variable).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from finefreeze._backends.questions import keras_backend, tensorflow
+from finefreeze._backends.read import read
+from finefreeze._backends.variables import scatter_write, write_all
+
+__all__ = ["read_elements", "write_elements"]
+
+
+def read_elements(variable, index: np.ndarray | None) -> np.ndarray:
+    """A copy of ``variable``'s elements at the flat indices ``index`` (None: the whole value)."""
+    value = read(variable)
+    if index is None:
+        return np.array(value, copy=True)
+    return np.ascontiguousarray(value.reshape(-1)[index])
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_scatter():
+    import jax
+
+    def scatter(value, index, values):
+        return value.reshape(-1).at[index].set(values, unique_indices=True).reshape(value.shape)
+
+    return jax.jit(scatter, donate_argnums=0)
+
+
+def write_elements(variable, index: np.ndarray | None, values: np.ndarray) -> None:
+    """Write ``values`` at the flat indices ``index`` of ``variable`` in place (None: assign the whole value)."""
+    if index is None:
+        variable.assign(values)
+        return
+    backend = keras_backend()
+    if tensorflow() is not None:
+        write_all([scatter_write(variable, index, values)])
+    elif backend == "jax":
+        variable.assign(_jax_scatter()(variable.value, index, values))
+    elif backend == "torch":
+        import torch
+
+        value = variable.value
+        if not value.is_contiguous():
+            variable.assign(_numpy_scatter(variable, index, values))
+            return
+        with torch.no_grad():
+            flat = value.view(-1)
+            where = torch.as_tensor(index, device=flat.device).long()
+            flat.index_copy_(0, where, torch.as_tensor(values, device=flat.device).to(flat.dtype))
+    else:
+        variable.assign(_numpy_scatter(variable, index, values))
+
+
+def _numpy_scatter(variable, index, values) -> np.ndarray:
+    flat = np.array(read(variable), copy=True).reshape(-1)
+    flat[index] = values
+    return flat.reshape(tuple(variable.shape))

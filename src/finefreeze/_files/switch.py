@@ -1,0 +1,217 @@
+"""Sparse deltas put into a model and taken out again in place, bit for bit (``DeltaSwitch``).
+
+A delta written in keeps the values it overwrote (those elements only) and
+writes them back when it is taken out. Every write is in place
+(:mod:`finefreeze._backends.elements`): a switch costs reads and writes of
+the deltas' elements, not of the model. A switch is one transaction: if a
+write fails (or Ctrl-C arrives), what was written is written back and the
+model holds what it held before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from finefreeze._backends.distribute import owner_scope
+from finefreeze._backends.elements import read_elements, write_elements
+from finefreeze._errors import DeltaError
+from finefreeze._files.entries import Bound, bind, read_entries
+
+__all__ = ["DeltaSwitch", "WriteFailed", "apply_bound"]
+
+
+def _narrow(bound: list[Bound]) -> list[Bound]:
+    """The same entries with int32 indices where they fit (half the memory, and JAX's default integer)."""
+    for b in bound:
+        idx = b.entry.index
+        if idx is not None and idx.dtype != np.int32 and (idx.size == 0 or idx[-1] < 2**31):
+            b.entry.index = idx.astype(np.int32)
+    return bound
+
+
+def _write(b: Bound, values: np.ndarray) -> None:
+    try:
+        write_elements(b.variable, b.entry.index, values)
+    except Exception as e:
+        raise WriteFailed(b.entry.path, e) from None
+
+
+def _write_back(bound: list[Bound], saved: list[np.ndarray]) -> None:
+    for b, old in reversed(list(zip(bound, saved))):
+        _write(b, old)
+
+
+class WriteFailed(Exception):
+    """A write of a delta's elements failed; every element written before it was written back."""
+
+    def __init__(self, path: str, cause: Exception):
+        super().__init__(f"writing {path!r} failed ({type(cause).__name__}: {cause})")
+
+
+def apply_bound(bound: list[Bound]) -> list[np.ndarray]:
+    """Write every bound entry; return the values each overwrote. All or nothing.
+
+    Raises:
+        WriteFailed: a write failed, naming the variable.
+        BaseException: an interrupt; in either case every element written
+            so far was written back first.
+    """
+    saved: list[np.ndarray] = []
+    with owner_scope([b.variable for b in bound]):
+        try:
+            for b in bound:
+                old = read_elements(b.variable, b.entry.index)
+                _write(b, b.entry.values)
+                saved.append(old)
+        except BaseException:
+            _write_back(bound[: len(saved)], saved)
+            raise
+    return saved
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+class DeltaSwitch:
+    """Named sparse deltas of one base model, switched in place, bit for bit.
+
+    Each delta is read and checked against ``model`` once, when the switch
+    is made: its file (checksums), its variables (paths, shapes, dtypes)
+    and the base's frozen part (fingerprints). The deltas stay in memory in
+    their sparse form (indices and values). ``use(name)`` takes the active
+    delta out (writing back the values it overwrote) and puts ``name`` in,
+    as one transaction; ``use(None)`` leaves the base, bit for bit.
+
+    Args:
+        model: the base model (or layer, ``tf.Module`` or list of variables)
+            every delta was trained from, as it was loaded: no delta in it.
+        deltas: name → path of a ``.safetensors`` delta (``save_delta``,
+            ``finefreeze delta export``, ``merge_deltas``).
+
+    Raises:
+        DeltaError: a damaged file, a delta that does not fit ``model`` (a
+            variable missing or of another shape or dtype, a frozen part
+            that differs), an empty ``deltas`` or a name that is not a
+            string. Nothing is written.
+
+    Example:
+        >>> import keras, numpy as np, finefreeze as ff, tempfile, os
+        >>> w = keras.Variable(np.zeros((2, 2), "float32"), name="w")
+        >>> frz = ff.Freezer([w], ff.Plan([ff.freeze("w[0]")]))
+        >>> _ = w.assign([[0.0, 0.0], [1.0, 2.0]])
+        >>> f = os.path.join(tempfile.mkdtemp(), "d.safetensors")
+        >>> _ = frz.save_delta(f)
+        >>> base = keras.Variable(np.zeros((2, 2), "float32"), name="w")
+        >>> switch = ff.DeltaSwitch([base], {"task": f})
+        >>> _ = switch.use("task")
+        >>> base.numpy().tolist(), switch.active
+        ([[0.0, 0.0], [1.0, 2.0]], 'task')
+        >>> _ = switch.use(None)
+        >>> base.numpy().tolist(), switch.active
+        ([[0.0, 0.0], [0.0, 0.0]], None)
+    """
+
+    def __init__(self, model: Any, deltas: Mapping[str, str | os.PathLike]) -> None:
+        if not isinstance(deltas, Mapping) or not deltas:
+            raise DeltaError(
+                f"DeltaSwitch(model, deltas): deltas is a dict of name -> delta file, got {type(deltas).__name__} "
+                f"{deltas!r:.80}; e.g. DeltaSwitch(model, {{'task_a': 'a.safetensors'}})."
+            )
+        bad = [n for n in deltas if not isinstance(n, str)]
+        if bad:
+            raise DeltaError(f"DeltaSwitch: delta names are strings (None stands for the base); got {bad[0]!r}.")
+        self._deltas: dict[str, list[Bound]] = {}
+        self._paths: dict[str, str] = {}
+        for name, path in deltas.items():
+            path = os.fspath(path)
+            self._deltas[name] = _narrow(bind(model, read_entries(path), f"delta {name!r} ({path!r})"))
+            self._paths[name] = path
+        self._active: str | None = None
+        self._saved: list[np.ndarray] = []
+
+    @property
+    def active(self) -> str | None:
+        """The name of the delta in the model now, or None for the base."""
+        return self._active
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names of the deltas this switch holds, in the order given."""
+        return tuple(self._deltas)
+
+    def elements(self, name: str) -> int:
+        """How many elements delta ``name`` writes."""
+        return sum(b.entry.elements for b in self._deltas[self._known(name)])
+
+    def _known(self, name: str | None) -> str | None:
+        if name is not None and name not in self._deltas:
+            known = ", ".join(repr(n) for n in self._deltas)
+            raise DeltaError(f"DeltaSwitch.use: no delta named {name!r}; this switch holds {known} (and None, the base).")
+        return name
+
+    def _check_untouched(self) -> None:
+        """Raise unless the active delta's elements still hold its values (nothing wrote over them since)."""
+        for b in self._deltas[self._active] if self._active is not None else ():
+            if not _same_bytes(read_elements(b.variable, b.entry.index), b.entry.values):
+                raise DeltaError(
+                    f"DeltaSwitch.use: {b.entry.path!r} no longer holds delta {self._active!r}'s values: something "
+                    "wrote to the model since it was switched in (training, an assign, a weight load), so taking "
+                    "it out would not give the base back. Nothing was changed; make a new switch from the base."
+                )
+
+    def use(self, name: str | None) -> dict[str, Any]:
+        """Put delta ``name`` into the model in place of the active one (None: the base alone).
+
+        One transaction: the active delta's elements get back the values
+        they had before it, then ``name``'s are written; if anything fails
+        (Ctrl-C included) the model is left as it was.
+
+        Args:
+            name: a name given to the switch, or None for the base.
+
+        Returns:
+            ``{"active": name, "elements": n}``: the elements ``name`` wrote.
+
+        Raises:
+            DeltaError: an unknown name, or the active delta's elements were
+                changed by something else since it was switched in. Nothing
+                is written.
+        """
+        name = self._known(name)
+        if name == self._active:
+            return {"active": name, "elements": 0 if name is None else self.elements(name)}
+        self._check_untouched()
+        out = self._deltas[self._active] if self._active is not None else []
+        into = self._deltas[name] if name is not None else []
+        try:
+            saved = self._swap(out, into)
+        except Exception as e:
+            what = str(e) if isinstance(e, WriteFailed) else f"a write failed ({type(e).__name__}: {e})"
+            raise DeltaError(
+                f"DeltaSwitch.use({name!r}): {what}; the model holds "
+                f"{'the base' if self._active is None else repr(self._active)} as before."
+            ) from None
+        self._active, self._saved = name, saved
+        return {"active": name, "elements": sum(b.entry.elements for b in into)}
+
+    def _swap(self, out: list[Bound], into: list[Bound]) -> list[np.ndarray]:
+        """Take ``out`` (the active delta) out and put ``into`` in; on any failure, ``out`` is in again."""
+        with owner_scope([b.variable for b in out + into]):
+            try:
+                _write_back(out, self._saved)
+                return apply_bound(into)
+            except BaseException:
+                for b in out:  # the active delta's values back: the model as it was
+                    try:
+                        write_elements(b.variable, b.entry.index, b.entry.values)
+                    except Exception:  # it could not be written back, so it was never written over
+                        pass
+                raise
+
+    def __repr__(self) -> str:
+        return f"DeltaSwitch({', '.join(repr(n) for n in self._deltas)}; active={self._active!r})"
