@@ -58,6 +58,28 @@ def test_finetune_on_a_preset_folder_with_csv_text(preset, tmp_path, capsys):
             assert np.array_equal(v.numpy(), w.numpy()), v.path
     t0, t1 = base.backbone.token_embedding.embeddings.numpy(), tuned.backbone.token_embedding.embeddings.numpy()
     assert np.array_equal(t0[: len(VOCAB)], t1[: len(VOCAB)]) and not np.array_equal(t0, t1)
+    # the run names its base, and the two commands that check and rebuild it from the command line
+    recorded = report["finetune"]["base"]
+    assert recorded["preset"] == str(preset / "preset") and len(recorded["sha256"]) == 64
+    folder, tuned_file, delta_file = preset / "preset", out / "tuned.keras", out / "delta.safetensors"
+    assert f"finefreeze verify {folder} {tuned_file}" in line
+    assert f"finefreeze delta apply {folder} {delta_file} -o rebuilt.keras" in line
+    assert main(["verify", str(folder), str(tuned_file)]) == 0
+    assert "OK: all" in capsys.readouterr().out
+    rebuilt = tmp_path / "rebuilt.keras"
+    assert main(["delta", "apply", str(folder), str(delta_file), "-o", str(rebuilt)]) == 0
+    again = keras.models.load_model(rebuilt, compile=False)
+    assert again.preprocessor is not None  # it predicts on raw strings, as tuned.keras does
+    for v, w in zip(tuned.weights, again.weights):
+        assert v.path == w.path and np.array_equal(v.numpy(), w.numpy()), v.path
+    # a tuned model whose frozen part moved fails against the preset, naming the variable
+    tuned.backbone.get_layer("transformer_layer_0")._self_attention_layer._query_dense.kernel.assign(
+        tuned.backbone.get_layer("transformer_layer_0")._self_attention_layer._query_dense.kernel.numpy() + 1.0
+    )
+    tuned.save(tmp_path / "moved.keras")
+    capsys.readouterr()
+    assert main(["verify", str(folder), str(tmp_path / "moved.keras"), "--plan", str(preset / "plan.json")]) == 1
+    assert "query/kernel" in capsys.readouterr().out
     ff.load_delta(base, out / "delta.safetensors")  # a fresh from_preset model becomes the tuned one, bit for bit
     assert np.array_equal(base.predict(TEXTS, verbose=0), tuned.predict(TEXTS, verbose=0))
 

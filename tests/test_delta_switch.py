@@ -14,7 +14,10 @@ VOCAB, NEW = 20, 4  # the base's table has VOCAB rows; tasks may train NEW more 
 
 PLANS = {  # five tasks, five kinds of trained element sets
     "rows": [ff.freeze("**"), ff.train(f"**/tokens/embeddings[{VOCAB}:]"), ff.train("**/head/**")],
-    "scattered": [ff.freeze("**"), ff.train("**/mid/kernel", where=lambda w: (np.arange(w.size) % 7 == 0).reshape(w.shape))],
+    "scattered": [
+        ff.freeze("**"),
+        ff.train("**/mid/kernel", where=lambda w: (np.arange(w.size) % 7 == 0).reshape(w.shape)),
+    ],
     "columns": [ff.freeze("**"), ff.train("**/mid/kernel[:, 0:3]"), ff.train("**/mid/bias")],
     "head": [ff.freeze("**"), ff.train("**/head/**")],
     "corner": [ff.freeze("**"), ff.train("**/mid/kernel[0:2, 5:8]"), ff.train("**/tokens/embeddings[0]")],
@@ -114,7 +117,11 @@ def test_a_delta_of_another_base_is_refused_up_front_and_nothing_changes(deltas,
 
 @pytest.mark.parametrize(
     "deltas_arg, message",
-    [({}, "deltas is a dict of name -> delta file"), (["a.safetensors"], "deltas is a dict"), ({None: "x"}, "names are strings")],
+    [
+        ({}, "deltas is a dict of name -> delta file"),
+        (["a.safetensors"], "deltas is a dict"),
+        ({None: "x"}, "names are strings"),
+    ],
 )
 def test_bad_arguments_are_delta_errors(deltas_arg, message):
     with pytest.raises(ff.DeltaError, match=message):
@@ -164,7 +171,9 @@ def test_a_failing_write_leaves_the_active_delta_in(tmp_path):
     switch.use("one")
     one = [a.numpy().copy(), b.numpy().copy()]
     b.fail = True
-    with pytest.raises(ff.DeltaError, match=r"writing 'b' failed \(RuntimeError: this store is read-only\).*holds 'one'"):
+    with pytest.raises(
+        ff.DeltaError, match=r"writing 'b' failed \(RuntimeError: this store is read-only\).*holds 'one'"
+    ):
         switch.use("two")
     assert switch.active == "one"
     assert np.array_equal(a.numpy(), one[0]) and np.array_equal(b.numpy(), one[1])
@@ -225,7 +234,9 @@ def test_the_same_delta_is_the_same_bytes(deltas, tmp_path):
         "from safetensors import safe_open; m = safe_open(sys.argv[1], 'np').metadata(); print(sorted(t), sorted(m))"
     )
     got = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.safetensors")], capture_output=True, text=True)
-    assert got.returncode == 0 and "::values" in got.stdout and "checksum" in got.stdout, got.stderr  # safetensors reads it
+    assert got.returncode == 0 and "::values" in got.stdout and "checksum" in got.stdout, (
+        got.stderr
+    )  # safetensors reads it
 
 
 def test_a_merged_file_is_format_3_and_about_the_size_of_its_parts(deltas, tmp_path):

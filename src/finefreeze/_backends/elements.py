@@ -34,7 +34,7 @@ def read_elements(variable, index: np.ndarray | None) -> np.ndarray:
     return np.ascontiguousarray(value.reshape(-1)[index])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jax_scatter():
     import jax
 

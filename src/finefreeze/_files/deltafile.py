@@ -152,7 +152,9 @@ def write(
 ) -> None:
     """Write a delta to ``path`` (the caller makes it atomic); the same arguments give the same bytes."""
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    table = {k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in sorted(tensors.items())}
+    table = {
+        k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in sorted(tensors.items())
+    }
     meta = {
         "format": fmt,
         "finefreeze": version,

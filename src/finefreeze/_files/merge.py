@@ -150,4 +150,3 @@ def merge_deltas(paths: list[str | os.PathLike], out_path: str | os.PathLike) ->
     info = write_file(out_path, tensors, variables, json.dumps({"merged": plans}), fmt=deltafile.FORMAT_MERGED)
     info["elements"] = sum(e.elements for e in entries.values())
     return info
-

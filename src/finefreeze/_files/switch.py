@@ -151,7 +151,9 @@ class DeltaSwitch:
     def _known(self, name: str | None) -> str | None:
         if name is not None and name not in self._deltas:
             known = ", ".join(repr(n) for n in self._deltas)
-            raise DeltaError(f"DeltaSwitch.use: no delta named {name!r}; this switch holds {known} (and None, the base).")
+            raise DeltaError(
+                f"DeltaSwitch.use: no delta named {name!r}; this switch holds {known} (and None, the base)."
+            )
         return name
 
     def _check_untouched(self) -> None:
