@@ -88,6 +88,9 @@ def test_model_trainable_true_after_a_freezer_is_said_and_the_plan_holds():
     kernel = model.get_layer("d0").kernel
     before = kernel.numpy().copy()
     model.trainable = True  # turns every variable flag on, d0's too; no layer flag records it
+    if keras.backend.backend() == "tensorflow":  # Keras' setter leaves the variable flags there: nothing changed
+        assert kernel.trainable is False
+        kernel.trainable = model.get_layer("d0").bias.trainable = True  # what the setter does on JAX and PyTorch
     assert kernel.trainable is True
     with pytest.warns(ff.FreezeWarning, match=r"turned back on for 2 variable\(s\) the plan freezes .*d0/kernel"):
         model.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")

@@ -18,6 +18,7 @@ import re
 
 import numpy as np
 
+from finefreeze._backends.randomness import set_seed
 from finefreeze._files.atomic import UserError
 
 __all__ = [
@@ -214,8 +215,6 @@ def base_from_preset(path: str, task: dict | None):
     seeds it), or what the preset holds when nothing is recorded."""
     if not task or task.get("task") != "TextClassifier":
         return load_preset(path)
-    from finefreeze._backends.randomness import set_seed
-
     set_seed(0)
     return classifier_from_preset(
         path, num_classes=int(task["num_classes"]), sequence_length=int(task.get("sequence_length", 128))

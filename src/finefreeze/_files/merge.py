@@ -128,7 +128,7 @@ def merge_deltas(paths: list[str | os.PathLike], out_path: str | os.PathLike) ->
         >>> for k in (0, 1):  # two tasks: each trains one row of the same base
         ...     w = keras.Variable(np.zeros((2, 2), "float32"), name="w")
         ...     frz = ff.Freezer([w], ff.Plan([ff.freeze("w"), ff.train(f"w[{k}]")]))
-        ...     _ = w.assign(np.full((2, 2), k + 1.0, "float32"))
+        ...     _ = w[k].assign([k + 1.0, k + 1.0])
         ...     _ = frz.save_delta(os.path.join(d, f"{k}.safetensors"))
         >>> _ = ff.merge_deltas([os.path.join(d, "0.safetensors"), os.path.join(d, "1.safetensors")],
         ...                     os.path.join(d, "both.safetensors"))

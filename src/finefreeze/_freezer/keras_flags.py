@@ -33,6 +33,7 @@ from finefreeze._resolve.targets import base_trainable, remember_base
 __all__ = ["flag_changes", "honour_flags", "set_flags", "set_layer_flags", "warn_switched_off", "warn_switched_on"]
 
 _SET = "_finefreeze_set_trainable"
+_VAR_SET = "_finefreeze_set_flag"  # on a variable: the flag a Freezer set last
 _CALL = "_finefreeze_inference_call"
 
 
@@ -189,6 +190,7 @@ def set_flags(target, res) -> bool:
             want = s.state != FROZEN
             if s.variable.trainable != want:
                 s.variable.trainable, changed = want, True
+            setattr(s.variable, _VAR_SET, want)  # what a Freezer set last: warn_switched_on tells a user's switch
     return changed
 
 
@@ -200,9 +202,19 @@ def warn_switched_on(target, res) -> None:
     nothing a layer flag records (:func:`flag_changes` sees no switch), and
     nothing would train, as the plan still freezes them. Said, not silently
     ignored; the flags go back to the plan's so Keras computes no gradient
-    for them.
+    for them. A flag another Freezer of the model turned on (two plans over
+    shared layers, as in a GAN) is not a switch: each variable remembers
+    the flag a Freezer set last. (On TensorFlow, Keras 3.15's setter does
+    not reach the variables' flags at all: there nothing changes to say.)
     """
-    on = [s.path for s in res.states if s.state == FROZEN and s.info.is_keras and s.variable.trainable]
+    on = [
+        s.path
+        for s in res.states
+        if s.state == FROZEN
+        and s.info.is_keras
+        and s.variable.trainable
+        and getattr(s.variable, _VAR_SET, True) is False  # a Freezer switched it off last, not on (another plan)
+    ]
     if not on:
         return
     set_flags(target, res)
