@@ -120,7 +120,7 @@ def test_a_delta_of_another_base_is_refused_up_front_and_nothing_changes(deltas,
     [
         ({}, "deltas is a dict of name -> delta file"),
         (["a.safetensors"], "deltas is a dict"),
-        ({None: "x"}, "names are strings"),
+        ({None: "x"}, "names are non-empty strings"),
     ],
 )
 def test_bad_arguments_are_delta_errors(deltas_arg, message):
@@ -138,7 +138,9 @@ def test_an_unknown_name_and_a_model_changed_behind_the_switch_change_nothing(de
     head = model.get_layer("head").kernel
     head.assign(head.numpy() + 1.0)  # someone trains or assigns behind the switch's back
     changed = values(model)
-    with pytest.raises(ff.DeltaError, match=r"'head/kernel' no longer holds delta 'rows'.*Nothing was changed"):
+    with pytest.raises(
+        ff.DeltaError, match=r"'head/kernel' no longer holds the values of delta 'rows'.*Nothing was changed"
+    ):
         switch.use("head")
     assert switch.active == "rows" and same(model, changed)
 
@@ -247,3 +249,41 @@ def test_a_merged_file_is_format_3_and_about_the_size_of_its_parts(deltas, tmp_p
     with safe_open(str(merged), "np") as f:
         assert f.metadata()["format"] == "finefreeze.delta/3"
     assert os.path.getsize(merged) < os.path.getsize(deltas["scattered"]) + os.path.getsize(deltas["rows"]) + 4096
+
+
+def test_verify_finds_what_was_written_outside_the_active_delta(deltas, loaded):
+    model = base_model()
+    switch = ff.DeltaSwitch(model, {"rows": deltas["rows"], "columns": deltas["columns"]})
+    switch.verify()
+    switch.use("columns")
+    switch.verify()  # the base, with columns in: nothing else moved
+    mid = model.get_layer("mid").kernel
+    mid.assign(mid.numpy() * 1.0)  # the same values: still the base
+    switch.verify()
+    tokens = model.get_layer("tokens").embeddings
+    tokens.assign(tokens.numpy() + 1.0)  # outside the columns delta: use() cannot see it, verify() does
+    with pytest.raises(ff.DeltaError, match=r"1 variable\(s\) differ from the base with delta 'columns': 'tokens/"):
+        switch.verify()
+
+
+def test_merging_in_another_order_writes_the_same_bytes(deltas, tmp_path):
+    ff.merge_deltas([deltas["rows"], deltas["columns"], deltas["corner"]], tmp_path / "a.safetensors")
+    ff.merge_deltas([deltas["corner"], deltas["rows"], deltas["columns"]], tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: ff.DeltaSwitch("base.keras", {"a": d["rows"]}), "not a path"),
+        (lambda d: ff.DeltaSwitch(base_model(), {"a": None}), "delta 'a' is None; give the path"),
+        (lambda d: ff.DeltaSwitch(base_model(), {"": d["rows"]}), "non-empty strings"),
+        (lambda d: ff.DeltaSwitch(base_model(), {"a": d["rows"]}).use(["a"]), r"no delta named \['a'\]"),
+        (lambda d: ff.DeltaSwitch(base_model(), {"a": "nope.safetensors"}), "delta 'a': delta file 'nope.safetensors'"),
+        (lambda d: ff.merge_deltas(d["rows"], "x.safetensors"), "got one path"),
+        (lambda d: ff.merge_deltas([d["rows"], d["head"]], "nodir/x.safetensors"), "folder of out_path"),
+    ],
+)
+def test_wrong_arguments_are_one_delta_error(deltas, make, message):
+    with pytest.raises(ff.DeltaError, match=message):
+        make(deltas)

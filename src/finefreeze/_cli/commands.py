@@ -32,6 +32,7 @@ from finefreeze._files.atomic import (
     atomic_path,
     catch_interrupts,
     check_interrupt,
+    check_output,
     exit_code,
     finished,
     refuse_overwrite,
@@ -171,6 +172,7 @@ def cmd_delta_export(args) -> int:
     refuse_overwrite([args.output], [args.tuned, args.plan], "delta export")
     if args.plan is not None and not os.path.exists(args.plan):
         raise UserError(f"plan file {args.plan!r} does not exist")
+    check_output(args.output, force=args.force)
     from finefreeze._freezer.freezer import Freezer
 
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
@@ -189,6 +191,7 @@ def cmd_delta_apply(args) -> int:
             raise UserError(f"delta file {d!r} does not exist")
     if len(set(map(os.path.abspath, args.delta))) < len(args.delta):
         raise UserError("a delta file is named twice; give each once")
+    check_output(args.output, force=args.force)
     from finefreeze._errors import DeltaError
     from finefreeze._files import deltafile
     from finefreeze._files.entries import bind, read_entries
@@ -199,7 +202,7 @@ def cmd_delta_apply(args) -> int:
         named = [(d, read_entries(d)) for d in args.delta]
         entries = merge_entries(named) if len(named) > 1 else named[0][1]
     except DeltaError as e:
-        raise UserError(str(e)) from None
+        raise UserError(str(e).removeprefix("merge_deltas: ")) from None
     with atomic_path(args.output, force=args.force) as tmp:
         model = _base_model(args.base, deltafile.read_json(args.delta[0], "base"))
         try:

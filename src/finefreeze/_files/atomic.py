@@ -223,6 +223,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def check_output(path: str, *, force: bool = False, flag: str = "--force") -> None:
+    """Raise :class:`UserError` unless a command may write the file ``path`` (what :func:`atomic_path` refuses)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise UserError(f"{path!r} is a directory; give a file name")
+    if os.path.exists(path) and not force:
+        raise UserError(f"{path!r} exists; pass {flag} to replace it")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise UserError(f"the folder of {path!r} does not exist")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str, *, force: bool = False, flag: str = "--force") -> Iterator[str]:
     """A temporary path next to ``path``; renamed onto ``path`` if the block succeeds.
@@ -236,13 +247,8 @@ def atomic_path(path: str, *, force: bool = False, flag: str = "--force") -> Ite
         The temporary path to write (same directory, same extension).
     """
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise UserError(f"{path!r} is a directory; give a file name")
-    if os.path.exists(path) and not force:
-        raise UserError(f"{path!r} exists; pass {flag} to replace it")
+    check_output(path, force=force, flag=flag)
     folder, name = os.path.split(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UserError(f"the folder of {path!r} does not exist")
     stem, ext = os.path.splitext(name)
     tmp = os.path.join(folder, f".{stem}.tmp-{os.getpid()}{ext}")
     try:

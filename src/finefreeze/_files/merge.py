@@ -42,7 +42,7 @@ def _overlap(p: str, parts: list[tuple[str, Entry]]) -> None:
                 more = f" and {both.size - 3:,} more" if both.size > 3 else ""
                 raise DeltaError(
                     f"merge_deltas: {a!r} and {b!r} both write {p!r} (shape {shape}) at {first}{more}: deltas "
-                    "merge only when they train disjoint elements; apply them one at a time (DeltaSwitch) instead."
+                    "merge only when they train disjoint elements (serve such deltas one at a time with DeltaSwitch)."
                 )
 
 
@@ -68,6 +68,7 @@ def _merge_one(p: str, parts: list[tuple[str, Entry]]) -> Entry:
             f"merge_deltas: {p!r} (shape {first.shape}) is frozen in {a!r} and {b!r} but with different values: "
             "these deltas were trained from different bases."
         )
+    checks = dict(sorted(checks.items(), key=lambda kv: kv[0]))  # the same file whatever the order of the deltas
     writers = [e for _, e in parts if e.values is not None]
     full = [e for e in writers if e.kind in _FULL]
     if full:
@@ -128,7 +129,8 @@ def merge_deltas(paths: list[str | os.PathLike], out_path: str | os.PathLike) ->
         >>> for k in (0, 1):  # two tasks: each trains one row of the same base
         ...     w = keras.Variable(np.zeros((2, 2), "float32"), name="w")
         ...     frz = ff.Freezer([w], ff.Plan([ff.freeze("w"), ff.train(f"w[{k}]")]))
-        ...     _ = w[k].assign([k + 1.0, k + 1.0])
+        ...     new = np.zeros((2, 2), "float32"); new[k] = k + 1.0
+        ...     _ = w.assign(new)
         ...     _ = frz.save_delta(os.path.join(d, f"{k}.safetensors"))
         >>> _ = ff.merge_deltas([os.path.join(d, "0.safetensors"), os.path.join(d, "1.safetensors")],
         ...                     os.path.join(d, "both.safetensors"))
@@ -137,16 +139,24 @@ def merge_deltas(paths: list[str | os.PathLike], out_path: str | os.PathLike) ->
         >>> base.numpy().tolist()
         [[1.0, 1.0], [2.0, 2.0]]
     """
-    paths = [os.fspath(p) for p in paths] if not isinstance(paths, (str, os.PathLike)) else [os.fspath(paths)]
+    if isinstance(paths, (str, os.PathLike)):
+        raise DeltaError(
+            f"merge_deltas: paths is a list of two or more delta files, got one path {os.fspath(paths)!r}."
+        )
+    paths = [os.fspath(p) for p in paths]
     out_path = os.fspath(out_path)
     if len(paths) < 2:
         raise DeltaError(f"merge_deltas: give two or more delta files to merge, got {len(paths)}.")
+    if os.path.isdir(out_path):
+        raise DeltaError(f"merge_deltas: out_path {out_path!r} is a folder; give a file name.")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out_path))):
+        raise DeltaError(f"merge_deltas: the folder of out_path {out_path!r} does not exist.")
     same = [p for p in paths if os.path.abspath(p) == os.path.abspath(out_path)]
     if same:
         raise DeltaError(f"merge_deltas: out_path {out_path!r} is one of the deltas to merge; write to a new file.")
     entries = merge_entries([(p, read_entries(p)) for p in paths])
     tensors, variables, _ = encode(entries)
-    plans = [deltafile.read_json(p, "plan") for p in paths]
+    plans = sorted((deltafile.read_json(p, "plan") for p in paths), key=lambda p: json.dumps(p, sort_keys=True))
     info = write_file(out_path, tensors, variables, json.dumps({"merged": plans}), fmt=deltafile.FORMAT_MERGED)
     info["elements"] = sum(e.elements for e in entries.values())
     return info

@@ -19,7 +19,8 @@ import numpy as np
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.elements import read_elements, write_elements
 from finefreeze._errors import DeltaError
-from finefreeze._files.entries import Bound, bind, read_entries
+from finefreeze._files.entries import Bound, bind, digest, read_entries
+from finefreeze._resolve.targets import collect
 
 __all__ = ["DeltaSwitch", "WriteFailed", "apply_bound"]
 
@@ -93,11 +94,18 @@ class DeltaSwitch:
         deltas: name → path of a ``.safetensors`` delta (``save_delta``,
             ``finefreeze delta export``, ``merge_deltas``).
 
+    ``use`` checks that the active delta's elements still hold its values
+    (cheap); :meth:`verify` checks every variable against the base. On JAX
+    a switch donates the written variables' buffers to XLA (that is how
+    it writes in place, as Keras' own train step does): arrays read from
+    them before (``variable.value``, state handed to ``stateless_call``)
+    are invalid after it; read them again.
+
     Raises:
         DeltaError: a damaged file, a delta that does not fit ``model`` (a
             variable missing or of another shape or dtype, a frozen part
-            that differs), an empty ``deltas`` or a name that is not a
-            string. Nothing is written.
+            that differs), an empty ``deltas``, a name that is not a
+            non-empty string or a path that is not one. Nothing is written.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff, tempfile, os
@@ -117,20 +125,35 @@ class DeltaSwitch:
     """
 
     def __init__(self, model: Any, deltas: Mapping[str, str | os.PathLike]) -> None:
+        if isinstance(model, (str, os.PathLike)):
+            raise DeltaError(
+                f"DeltaSwitch(model, deltas): model is the loaded base model, not a path ({os.fspath(model)!r}); "
+                "load it first (keras.models.load_model)."
+            )
         if not isinstance(deltas, Mapping) or not deltas:
             raise DeltaError(
                 f"DeltaSwitch(model, deltas): deltas is a dict of name -> delta file, got {type(deltas).__name__} "
                 f"{deltas!r:.80}; e.g. DeltaSwitch(model, {{'task_a': 'a.safetensors'}})."
             )
-        bad = [n for n in deltas if not isinstance(n, str)]
+        bad = [n for n in deltas if not isinstance(n, str) or not n]
         if bad:
-            raise DeltaError(f"DeltaSwitch: delta names are strings (None stands for the base); got {bad[0]!r}.")
+            raise DeltaError(
+                f"DeltaSwitch: delta names are non-empty strings (None stands for the base); got {bad[0]!r}."
+            )
         self._deltas: dict[str, list[Bound]] = {}
         self._paths: dict[str, str] = {}
         for name, path in deltas.items():
+            if not isinstance(path, (str, os.PathLike)):
+                raise DeltaError(f"DeltaSwitch: delta {name!r} is {path!r}; give the path of its .safetensors file.")
             path = os.fspath(path)
-            self._deltas[name] = _narrow(bind(model, read_entries(path), f"delta {name!r} ({path!r})"))
+            try:
+                entries = read_entries(path)
+            except DeltaError as e:
+                raise DeltaError(f"delta {name!r}: {e}") from None
+            self._deltas[name] = _narrow(bind(model, entries, f"delta {name!r} ({path!r})"))
             self._paths[name] = path
+        self._variables = [(vi.path, vi.variable) for vi in collect(model).variables]
+        self._base = {p: digest(read_elements(v, None), None) for p, v in self._variables}
         self._active: str | None = None
         self._saved: list[np.ndarray] = []
 
@@ -146,13 +169,13 @@ class DeltaSwitch:
 
     def elements(self, name: str) -> int:
         """How many elements delta ``name`` writes."""
-        return sum(b.entry.elements for b in self._deltas[self._known(name)])
+        return sum(b.entry.elements for b in self._deltas[self._known(name, "elements")])
 
-    def _known(self, name: str | None) -> str | None:
-        if name is not None and name not in self._deltas:
+    def _known(self, name: str | None, method: str = "use") -> str | None:
+        if name is not None and (not isinstance(name, str) or name not in self._deltas):
             known = ", ".join(repr(n) for n in self._deltas)
             raise DeltaError(
-                f"DeltaSwitch.use: no delta named {name!r}; this switch holds {known} (and None, the base)."
+                f"DeltaSwitch.{method}: no delta named {name!r}; this switch holds {known} (and None, the base)."
             )
         return name
 
@@ -161,7 +184,7 @@ class DeltaSwitch:
         for b in self._deltas[self._active] if self._active is not None else ():
             if not _same_bytes(read_elements(b.variable, b.entry.index), b.entry.values):
                 raise DeltaError(
-                    f"DeltaSwitch.use: {b.entry.path!r} no longer holds delta {self._active!r}'s values: something "
+                    f"DeltaSwitch.use: {b.entry.path!r} no longer holds the values of delta {self._active!r}: something "
                     "wrote to the model since it was switched in (training, an assign, a weight load), so taking "
                     "it out would not give the base back. Nothing was changed; make a new switch from the base."
                 )
@@ -200,6 +223,44 @@ class DeltaSwitch:
             ) from None
         self._active, self._saved = name, saved
         return {"active": name, "elements": sum(b.entry.elements for b in into)}
+
+    def verify(self) -> None:
+        """Check every variable of the model: the base's values, bit for bit, with the active delta's in.
+
+        ``use`` checks only the active delta's own elements (cheap); this
+        reads every variable, as a fingerprint does, and finds anything else
+        that wrote to the model since the switch was made (training, an
+        ``assign``, a weight load).
+
+        Raises:
+            DeltaError: naming the variables that differ from the base (with
+                the active delta in).
+        """
+        active = {id(b.variable): (b, old) for b, old in zip(self._deltas.get(self._active, []), self._saved)}
+        moved = []
+        for path, variable in self._variables:
+            value = read_elements(variable, None)
+            if id(variable) in active:
+                b, old = active[id(variable)]
+                if b.entry.index is None:
+                    ok = _same_bytes(value, b.entry.values)
+                    value = old
+                else:
+                    flat = value.reshape(-1)
+                    ok = _same_bytes(np.ascontiguousarray(flat[b.entry.index]), b.entry.values)
+                    flat[b.entry.index] = old
+                if not ok:
+                    moved.append(path)
+                    continue
+            if digest(value, None) != self._base[path]:
+                moved.append(path)
+        if moved:
+            shown = ", ".join(repr(p) for p in moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+            what = "the base" if self._active is None else f"the base with delta {self._active!r}"
+            raise DeltaError(
+                f"DeltaSwitch.verify: {len(moved)} variable(s) differ from {what}: {shown}; something wrote to "
+                "the model since the switch was made. Make a new switch from a freshly loaded base."
+            )
 
     def _swap(self, out: list[Bound], into: list[Bound]) -> list[np.ndarray]:
         """Take ``out`` (the active delta) out and put ``into`` in; on any failure, ``out`` is in again."""
