@@ -380,6 +380,9 @@ cases = [
     ["inspect", root + "/nope.keras"],
     ["delta", "export", root + "/nope.keras", "-o", root + "/d.safetensors"],
     ["delta", "apply", root + "/m.keras", root + "/nope.safetensors", "-o", root + "/o.keras"],
+    ["delta", "apply", root + "/m.keras", root + "/d.npz", "-o", root + "/exists.keras"],
+    ["delta", "export", root + "/m.keras", "-o", root + "/exists.keras"],
+    ["delta", "apply", root + "/m.keras", root + "/d.npz", "-o", root + "/nodir/o.keras"],
 ]
 for argv in cases:
     code = main(argv)
@@ -392,15 +395,19 @@ def test_refusals_that_need_no_framework_come_before_one_loads(tmp_path):
     """A missing file or a used --out is said in well under a second, before Keras or a backend is imported."""
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "report.json").write_text("{}")
-    (tmp_path / "m.keras").write_bytes(b"PK\x05\x06" + bytes(18))  # an empty zip: exists, never loaded
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "m.keras", "w") as z:  # looks like a model file; never loaded
+        z.writestr("config.json", "{}")
     (tmp_path / "d.npz").write_bytes(b"")
+    (tmp_path / "exists.keras").write_bytes(b"")
     got = subprocess.run(
         [sys.executable, "-c", REFUSALS_WITHOUT_A_FRAMEWORK, str(tmp_path)], env=ENV, capture_output=True, text=True
     )
     lines = got.stdout.splitlines()
-    assert len(lines) == 9, got.stderr[-2000:]
+    assert len(lines) == 12, got.stderr[-2000:]
     assert all(line == "2 -" for line in lines), (lines, got.stderr[-2000:])
     errors = [e for e in got.stderr.splitlines() if e.startswith("finefreeze ")]
-    assert len(errors) == 9 and all(
-        ("does not exist" in e or "another run" in e or "no config.json" in e) for e in errors
+    assert len(errors) == 12 and all(
+        any(w in e for w in ("does not exist", "another run", "no config.json", "pass --force")) for e in errors
     ), errors

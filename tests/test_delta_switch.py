@@ -287,3 +287,26 @@ def test_merging_in_another_order_writes_the_same_bytes(deltas, tmp_path):
 def test_wrong_arguments_are_one_delta_error(deltas, make, message):
     with pytest.raises(ff.DeltaError, match=message):
         make(deltas)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_deltas_switch_bit_for_bit(dtype, tmp_path):
+    def model():
+        keras.utils.set_random_seed(5)
+        layer = keras.layers.Dense(6, name="d", dtype=dtype)
+        net = keras.Sequential([keras.Input((4,)), layer], name="h")
+        return net, layer
+
+    tuned, layer = model()
+    frz = ff.Freezer(tuned, ff.Plan([ff.freeze("**"), ff.train("**/d/kernel[:, 1:3]")]))
+    kernel = keras.ops.convert_to_numpy(layer.kernel)
+    moved = kernel.copy()
+    moved[:, 1:3] += np.asarray(0.5, dtype=kernel.dtype)
+    layer.kernel.assign(moved)
+    frz.save_delta(tmp_path / "d.safetensors")
+    base, base_layer = model()
+    switch = ff.DeltaSwitch(base, {"t": tmp_path / "d.safetensors"})
+    switch.use("t")
+    assert keras.ops.convert_to_numpy(base_layer.kernel).tobytes() == moved.tobytes()
+    switch.use(None)
+    assert keras.ops.convert_to_numpy(base_layer.kernel).tobytes() == kernel.tobytes()

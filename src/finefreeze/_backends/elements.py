@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+import keras
 import numpy as np
 
 from finefreeze._backends.questions import keras_backend, tensorflow
@@ -64,7 +65,8 @@ def write_elements(variable, index: np.ndarray | None, values: np.ndarray) -> No
         with torch.no_grad():
             flat = value.view(-1)
             where = torch.as_tensor(index, device=flat.device).long()
-            flat.index_copy_(0, where, torch.as_tensor(values, device=flat.device).to(flat.dtype))
+            new = keras.ops.convert_to_tensor(values, dtype=variable.dtype)  # NumPy has no bfloat16 of torch's
+            flat.index_copy_(0, where, new.to(device=flat.device, dtype=flat.dtype))
     else:
         variable.assign(_numpy_scatter(variable, index, values))
 
