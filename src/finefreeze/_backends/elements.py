@@ -6,7 +6,8 @@
 - JAX: a jitted scatter that donates the variable's buffer, so XLA writes
   the elements into it (no second copy of the variable; the same donation
   Keras' own train step makes).
-- PyTorch: ``index_copy_`` into the flattened value under ``no_grad``.
+- PyTorch: ``index_put_`` into the flattened value under ``no_grad`` (int64
+  indices, taken as they are; reads index the value the same way).
 
 A whole variable (``index`` None) is assigned. Reads gather the elements
 into a new numpy array (:func:`~finefreeze._backends.read.read` views the
@@ -20,6 +21,7 @@ import functools
 import keras
 import numpy as np
 
+from finefreeze._backends.arrays import native
 from finefreeze._backends.questions import keras_backend, tensorflow
 from finefreeze._backends.read import read
 from finefreeze._backends.variables import scatter_write, write_all
@@ -28,7 +30,24 @@ __all__ = ["read_elements", "write_elements"]
 
 
 def read_elements(variable, index: np.ndarray | None) -> np.ndarray:
-    """A copy of ``variable``'s elements at the flat indices ``index`` (None: the whole value)."""
+    """A copy of ``variable``'s elements at the flat indices ``index`` (None: the whole value).
+
+    TensorFlow gathers from a dense read of the variable (which shares its
+    buffer and is gone before the next write, so that write stays in place;
+    copying the whole value to NumPy first cost a pass over the variable).
+    """
+    tf = tensorflow()
+    if index is not None and tf is not None:
+        shape = tuple(int(d) for d in variable.shape)
+        where = np.stack(np.unravel_index(index, shape), axis=1) if shape else np.zeros((index.size, 0), np.int64)
+        return tf.raw_ops.ResourceGatherNd(
+            resource=native(variable).handle, indices=where, dtype=native(variable).dtype
+        ).numpy()
+    if index is not None and keras_backend() == "torch" and index.dtype == np.int64 and variable.value.is_contiguous():
+        import torch
+
+        with torch.no_grad():
+            return keras.ops.convert_to_numpy(variable.value.view(-1)[torch.from_numpy(index)])
     value = read(variable)
     if index is None:
         return np.array(value, copy=True)
@@ -64,9 +83,9 @@ def write_elements(variable, index: np.ndarray | None, values: np.ndarray) -> No
             return
         with torch.no_grad():
             flat = value.view(-1)
-            where = torch.as_tensor(index, device=flat.device).long()
+            where = torch.from_numpy(index) if index.dtype == np.int64 else torch.as_tensor(index).long()
             new = keras.ops.convert_to_tensor(values, dtype=variable.dtype)  # NumPy has no bfloat16 of torch's
-            flat.index_copy_(0, where, new.to(device=flat.device, dtype=flat.dtype))
+            flat.index_put_((where.to(flat.device),), new.to(device=flat.device, dtype=flat.dtype))
     else:
         variable.assign(_numpy_scatter(variable, index, values))
 

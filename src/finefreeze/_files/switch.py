@@ -18,6 +18,7 @@ import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.elements import read_elements, write_elements
+from finefreeze._backends.questions import keras_backend
 from finefreeze._errors import DeltaError
 from finefreeze._files.entries import Bound, bind, digest, read_entries
 from finefreeze._resolve.targets import collect
@@ -26,8 +27,16 @@ __all__ = ["DeltaSwitch", "WriteFailed", "apply_bound"]
 
 
 def _narrow(bound: list[Bound]) -> list[Bound]:
-    """The same entries with int32 indices where they fit (half the memory, and JAX's default integer)."""
+    """The same entries with int32 indices where they fit (half the memory, and JAX's default integer).
+
+    PyTorch indexes with int64 only: its entries keep them (no conversion per switch). Their
+    checks were made (:func:`bind`) and are dropped: a switch holds indices and values only.
+    """
+    wide = keras_backend() == "torch"
     for b in bound:
+        b.entry.checks = []
+        if wide:
+            continue
         idx = b.entry.index
         if idx is not None and idx.dtype != np.int32 and (idx.size == 0 or idx[-1] < 2**31):
             b.entry.index = idx.astype(np.int32)
@@ -53,8 +62,11 @@ class WriteFailed(Exception):
         super().__init__(f"writing {path!r} failed ({type(cause).__name__}: {cause})")
 
 
-def apply_bound(bound: list[Bound]) -> list[np.ndarray]:
+def apply_bound(bound: list[Bound], kept: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """Write every bound entry; return the values each overwrote. All or nothing.
+
+    ``kept``: the values the entries overwrite, known already (the base's,
+    kept from an earlier switch): then they are not read again.
 
     Raises:
         WriteFailed: a write failed, naming the variable.
@@ -64,8 +76,8 @@ def apply_bound(bound: list[Bound]) -> list[np.ndarray]:
     saved: list[np.ndarray] = []
     with owner_scope([b.variable for b in bound]):
         try:
-            for b in bound:
-                old = read_elements(b.variable, b.entry.index)
+            for k, b in enumerate(bound):
+                old = read_elements(b.variable, b.entry.index) if kept is None else kept[k]
                 _write(b, b.entry.values)
                 saved.append(old)
         except BaseException:
@@ -75,7 +87,11 @@ def apply_bound(bound: list[Bound]) -> list[np.ndarray]:
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.tobytes() == b.tobytes()
+    """Whether two arrays hold the same bytes (NaNs and signed zeros included), without copying them."""
+    if a.shape != b.shape:
+        return False
+    flat_a, flat_b = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
+    return np.array_equal(flat_a.view(np.uint8), flat_b.view(np.uint8))
 
 
 class DeltaSwitch:
@@ -95,7 +111,9 @@ class DeltaSwitch:
             ``finefreeze delta export``, ``merge_deltas``).
 
     ``use`` checks that the active delta's elements still hold its values
-    (cheap); :meth:`verify` checks every variable against the base. On JAX
+    (cheap); :meth:`verify` checks every variable against the base. The
+    base's values at a delta's elements, read when it first goes in, are
+    kept for its next use (one value per element of each delta used). On JAX
     a switch donates the written variables' buffers to XLA (that is how
     it writes in place, as Keras' own train step does): arrays read from
     them before (``variable.value``, state handed to ``stateless_call``)
@@ -156,6 +174,7 @@ class DeltaSwitch:
         self._base = {p: digest(read_elements(v, None), None) for p, v in self._variables}
         self._active: str | None = None
         self._saved: list[np.ndarray] = []
+        self._kept: dict[str, list[np.ndarray]] = {}  # per delta used once: the base's values at its elements
 
     @property
     def active(self) -> str | None:
@@ -214,13 +233,15 @@ class DeltaSwitch:
         out = self._deltas[self._active] if self._active is not None else []
         into = self._deltas[name] if name is not None else []
         try:
-            saved = self._swap(out, into)
+            saved = self._swap(out, into, self._kept.get(name))
         except Exception as e:
             what = str(e) if isinstance(e, WriteFailed) else f"a write failed ({type(e).__name__}: {e})"
             raise DeltaError(
                 f"DeltaSwitch.use({name!r}): {what}; the model holds "
                 f"{'the base' if self._active is None else repr(self._active)} as before."
             ) from None
+        if self._active is not None:  # the base's values under it: written back, kept for its next use
+            self._kept[self._active] = self._saved
         self._active, self._saved = name, saved
         return {"active": name, "elements": sum(b.entry.elements for b in into)}
 
@@ -262,12 +283,12 @@ class DeltaSwitch:
                 "the model since the switch was made. Make a new switch from a freshly loaded base."
             )
 
-    def _swap(self, out: list[Bound], into: list[Bound]) -> list[np.ndarray]:
+    def _swap(self, out: list[Bound], into: list[Bound], kept: list[np.ndarray] | None) -> list[np.ndarray]:
         """Take ``out`` (the active delta) out and put ``into`` in; on any failure, ``out`` is in again."""
         with owner_scope([b.variable for b in out + into]):
             try:
                 _write_back(out, self._saved)
-                return apply_bound(into)
+                return apply_bound(into, kept)
             except BaseException:
                 for b in out:  # the active delta's values back: the model as it was
                     try:
