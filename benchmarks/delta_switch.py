@@ -189,7 +189,7 @@ def main() -> None:
 
     print(f"{what}; backend {keras.backend.backend()}; {TASKS} deltas of {a.fraction:.0%} of every kernel")
     print(
-        f"delta: {elements:,} elements, {delta_mb:.1f} MB on disk; switch holds {held:.1f} MB "
+        f"delta: {elements:,} elements, {delta_mb * 1024:,.0f} KiB on disk; switch holds {held:.1f} MB "
         f"(+{kept:.1f} MB kept once every delta was used); a switch adds at most {extra:.1f} MB"
     )
     print(f"switch  {show(times['switch'])}")

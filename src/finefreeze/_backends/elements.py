@@ -5,7 +5,8 @@
   variable's every copy is written).
 - JAX: a jitted scatter that donates the variable's buffer, so XLA writes
   the elements into it (no second copy of the variable; the same donation
-  Keras' own train step makes).
+  Keras' own train step makes); its inputs padded to a few lengths, so
+  that kernels of one shape share a compiled program.
 - PyTorch: ``index_put_`` into the flattened value under ``no_grad`` (int64
   indices, taken as they are; reads index the value the same way).
 
@@ -59,9 +60,29 @@ def _jax_scatter():
     import jax
 
     def scatter(value, index, values):
-        return value.reshape(-1).at[index].set(values, unique_indices=True).reshape(value.shape)
+        return value.reshape(-1).at[index].set(values).reshape(value.shape)
 
     return jax.jit(scatter, donate_argnums=0)
+
+
+def _padded(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``index`` and ``values`` padded (the last element written again) to one of 8 lengths per power of two.
+
+    XLA compiles the scatter once per shape: kernels of one shape whose
+    trained counts differ a little (a random 1 % of each) share one program
+    instead of one each (JAX's compiled programs are memory the process keeps).
+    Padding adds at most 1/8 to the writes; an element written twice gets the same value.
+    """
+    n = int(index.size)
+    if n < 16:
+        return index, values
+    step = 1 << (n.bit_length() - 4)
+    m = -(-n // step) * step
+    if m == n:
+        return index, values
+    return np.concatenate([index, np.repeat(index[-1:], m - n)]), np.concatenate(
+        [values, np.repeat(values[-1:], m - n)]
+    )
 
 
 def write_elements(variable, index: np.ndarray | None, values: np.ndarray) -> None:
@@ -73,7 +94,7 @@ def write_elements(variable, index: np.ndarray | None, values: np.ndarray) -> No
     if tensorflow() is not None:
         write_all([scatter_write(variable, index, values)])
     elif backend == "jax":
-        variable.assign(_jax_scatter()(variable.value, index, values))
+        variable.assign(_jax_scatter()(variable.value, *_padded(np.asarray(index), np.asarray(values))))
     elif backend == "torch":
         import torch
 
