@@ -258,3 +258,43 @@ def test_inspect_reads_the_plan_saved_in_a_tuned_model(tmp_path):
     m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
     m.save(tmp_path / "t.keras")
     assert main(["inspect", str(tmp_path / "t.keras"), "--layers-only"]) == 0
+
+
+def test_inspect_names_the_optimizer_a_model_was_saved_with(tmp_path, capsys):
+    from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model
+
+    m = build_text_model()
+    frz = ff.Freezer(m, ff.Plan.from_dict(DEFAULT_PLAN))
+    m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    m.save(tmp_path / "t.keras")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "t.keras"), "--layers-only"]) == 0
+    out = capsys.readouterr().out
+    assert "SGD state" in out and "Adam" not in out
+
+
+def test_delta_apply_combines_deltas_of_disjoint_elements_and_refuses_overlaps(small_model, tmp_path, capsys):
+    def delta(name, rules, bump):
+        model = load(small_model)
+        frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), *rules]), gradients="dense")
+        for v in model.weights:
+            if frz.variable_state(v.path) != "frozen":
+                trained = ~frz.frozen_mask(v.path)
+                v.assign(np.where(trained, v.numpy() + bump, v.numpy()))
+        frz.save_delta(tmp_path / name)
+        return raw(model)
+
+    rows = delta("rows.safetensors", [ff.train("token_embedding/embeddings[512:]")], 1.0)
+    head = delta("head.safetensors", [ff.train("head/**")], 2.0)
+    delta("both.safetensors", [ff.train("head/kernel[0]")], 3.0)
+    base = raw(load(small_model))
+    assert main(["delta", "apply", str(small_model), str(tmp_path / "rows.safetensors"), str(tmp_path / "head.safetensors"), "-o", str(tmp_path / "o.keras")]) == 0  # fmt: skip
+    assert "from " in capsys.readouterr().out
+    got = raw(load(tmp_path / "o.keras"))
+    for p, b in base.items():
+        want = rows[p] if not np.array_equal(rows[p], b) else head[p]
+        assert np.array_equal(got[p], want), p
+    code = main(["delta", "apply", str(small_model), str(tmp_path / "head.safetensors"), str(tmp_path / "both.safetensors"), "-o", str(tmp_path / "x.keras")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "both write 'head/kernel'" in err and "(0, 0)" in err, err
+    assert not (tmp_path / "x.keras").exists()

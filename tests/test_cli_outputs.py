@@ -364,3 +364,50 @@ def test_a_reader_that_goes_away_is_not_an_error(tmp_path):
     got = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert got.stderr == "", got.stderr[-2000:]
     assert got.returncode in (0, 141), got.returncode  # 0 when inspect had written everything before head left
+
+
+REFUSALS_WITHOUT_A_FRAMEWORK = """
+import sys
+from finefreeze._cli.commands import main
+root = sys.argv[1]
+cases = [
+    ["finetune", root + "/nope.keras", "--data", "d.npz", "--plan", "p.json"],
+    ["finetune", "--out", root + "/used"],
+    ["finetune", "--data", root + "/nope.npz"],
+    ["finetune", root + "/m.keras", "--data", root + "/d.npz", "--plan", root + "/nope.json"],
+    ["verify", root + "/nope.keras", root + "/m.keras"],
+    ["verify", root + "/m.keras", root + "/m.keras", "--plan", root + "/nope.json"],
+    ["inspect", root + "/nope.keras"],
+    ["delta", "export", root + "/nope.keras", "-o", root + "/d.safetensors"],
+    ["delta", "apply", root + "/m.keras", root + "/nope.safetensors", "-o", root + "/o.keras"],
+    ["delta", "apply", root + "/m.keras", root + "/d.npz", "-o", root + "/exists.keras"],
+    ["delta", "export", root + "/m.keras", "-o", root + "/exists.keras"],
+    ["delta", "apply", root + "/m.keras", root + "/d.npz", "-o", root + "/nodir/o.keras"],
+]
+for argv in cases:
+    code = main(argv)
+    loaded = sorted(m for m in ("keras", "tensorflow", "jax", "torch") if m in sys.modules)
+    print(code, ",".join(loaded) or "-", flush=True)
+"""
+
+
+def test_refusals_that_need_no_framework_come_before_one_loads(tmp_path):
+    """A missing file or a used --out is said in well under a second, before Keras or a backend is imported."""
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "report.json").write_text("{}")
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "m.keras", "w") as z:  # looks like a model file; never loaded
+        z.writestr("config.json", "{}")
+    (tmp_path / "d.npz").write_bytes(b"")
+    (tmp_path / "exists.keras").write_bytes(b"")
+    got = subprocess.run(
+        [sys.executable, "-c", REFUSALS_WITHOUT_A_FRAMEWORK, str(tmp_path)], env=ENV, capture_output=True, text=True
+    )
+    lines = got.stdout.splitlines()
+    assert len(lines) == 12, got.stderr[-2000:]
+    assert all(line == "2 -" for line in lines), (lines, got.stderr[-2000:])
+    errors = [e for e in got.stderr.splitlines() if e.startswith("finefreeze ")]
+    assert len(errors) == 12 and all(
+        any(w in e for w in ("does not exist", "another run", "no config.json", "pass --force")) for e in errors
+    ), errors

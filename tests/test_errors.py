@@ -59,6 +59,11 @@ CASES = [
         ["rule 1", P, "(2, 2)", "(5, 8)"],
     ),
     (
+        "where-one-row",  # broadcasts to the kernel, but a predicate returns one bool per element
+        lambda m: ff.Freezer(m, ff.Plan([ff.freeze(K, where=lambda w: w[0] > 0)])),
+        ["rule 1", P, "where= returned shape (8,)", "(5, 8)", "mask="],
+    ),
+    (
         "where-raises",
         lambda m: ff.Freezer(m, ff.Plan([ff.freeze(K, where=_raise)])),
         ["rule 1", P, "RuntimeError: boom"],

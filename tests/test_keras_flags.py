@@ -77,3 +77,24 @@ def test_no_switch_no_warning_and_variables_keras_did_not_train_stay_so():
     assert base.get_layer("d1").bias.trainable is False and base.get_layer("d1").kernel.trainable
     frz.wrap(keras.optimizers.Adam())  # warnings are errors in this suite
     assert frz.variable_state("backbone/d1/bias") == "untrained"
+
+
+def test_model_trainable_true_after_a_freezer_is_said_and_the_plan_holds():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, name="d0"), keras.layers.Dense(2, name="head")], name="flat"
+    )
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("**/d0/**")]))
+    kernel = model.get_layer("d0").kernel
+    before = kernel.numpy().copy()
+    model.trainable = True  # turns every variable flag on, d0's too; no layer flag records it
+    if keras.backend.backend() == "tensorflow":  # Keras' setter leaves the variable flags there: nothing changed
+        assert kernel.trainable is False
+        kernel.trainable = model.get_layer("d0").bias.trainable = True  # what the setter does on JAX and PyTorch
+    assert kernel.trainable is True
+    with pytest.warns(ff.FreezeWarning, match=r"turned back on for 2 variable\(s\) the plan freezes .*d0/kernel"):
+        model.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    assert kernel.trainable is False  # set back: Keras computes no gradient for it
+    model.fit(X, Y, epochs=2, verbose=0)
+    assert np.array_equal(kernel.numpy(), before)
+    assert frz.variable_state("flat/d0/kernel") == "frozen"

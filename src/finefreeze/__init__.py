@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # what static tools see; at run time the table below loads th
     from finefreeze._errors import FrozenValueChanged as FrozenValueChanged
     from finefreeze._errors import PlanError as PlanError
     from finefreeze._files.delta import load_delta as load_delta
+    from finefreeze._files.merge import merge_deltas as merge_deltas
+    from finefreeze._files.switch import DeltaSwitch as DeltaSwitch
     from finefreeze._freezer.freezer import Freezer as Freezer
     from finefreeze._optimizer.wrapper import FreezingOptimizer as FreezingOptimizer
     from finefreeze._plan.plan import Plan as Plan
@@ -46,6 +48,7 @@ _LAZY = {
     "Blocks": "finefreeze._resolve.blocks",
     "blocks": "finefreeze._resolve.blocks",
     "DeltaError": "finefreeze._errors",
+    "DeltaSwitch": "finefreeze._files.switch",
     "DistributionError": "finefreeze._errors",
     "FreezeWarning": "finefreeze._errors",
     "Freezer": "finefreeze._freezer.freezer",
@@ -58,6 +61,7 @@ _LAZY = {
     "freeze": "finefreeze._plan.rules",
     "layers": "",
     "load_delta": "finefreeze._files.delta",
+    "merge_deltas": "finefreeze._files.merge",
     "select": "finefreeze._select.select",
     "train": "finefreeze._plan.rules",
 }

@@ -18,7 +18,13 @@ import os
 import sys
 import tempfile
 
-from finefreeze._cli.inputs import check_model_file, load_model, load_plan, plan_from_keras_file
+from finefreeze._cli.inputs import (
+    check_model_file,
+    load_model,
+    load_plan,
+    optimizer_from_keras_file,
+    plan_from_keras_file,
+)
 from finefreeze._cli.quiet import quiet_tensorflow
 from finefreeze._files.atomic import (
     Terminated,
@@ -26,6 +32,7 @@ from finefreeze._files.atomic import (
     atomic_path,
     catch_interrupts,
     check_interrupt,
+    check_output,
     exit_code,
     finished,
     refuse_overwrite,
@@ -41,17 +48,24 @@ def _bundled_model():
 
 
 def cmd_finetune(args) -> int:
+    from finefreeze._cli.checks import check_finetune
+
+    if args.budget is not None and args.select is None:
+        raise UserError("--budget goes with --select SCORE (it is the size of the selection)")
+    if args.select is not None and args.plan is not None:
+        raise UserError("--select and --plan exclude each other: --select writes the plan")
+    check_finetune(  # every refusal before a framework loads
+        args.model, data=args.data, plan=args.plan, optimizer=args.optimizer, lr=args.lr, epochs=args.epochs,
+        batch_size=args.batch_size, strategy=args.strategy, out=args.out, force=args.force, resume=args.resume,
+        sequence_length=args.sequence_length, plan_written=args.select is not None,
+    )  # fmt: skip
     from finefreeze._cli.finetune import finetune
     from finefreeze._report.events import require_tensorboard
 
     require_tensorboard("finefreeze finetune")  # before --select's slow work
-    if args.budget is not None and args.select is None:
-        raise UserError("--budget goes with --select SCORE (it is the size of the selection)")
     with tempfile.TemporaryDirectory() as scratch:  # nothing lands in --out before finetune's own checks
         plan = args.plan
         if args.select is not None:  # choose the plan from the training data first
-            if args.plan is not None:
-                raise UserError("--select and --plan exclude each other: --select writes the plan")
             from finefreeze._cli.selectfile import select_to_file
 
             budget = "0.01" if args.budget is None else args.budget
@@ -85,11 +99,13 @@ def cmd_finetune(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    if args.model is not None:
+        check_model_file(args.model, preset=True)
+    if args.plan is not None and not os.path.exists(args.plan):
+        raise UserError(f"plan file {args.plan!r} does not exist")
     from finefreeze._freezer.freezer import Freezer
     from finefreeze._plan.plan import Plan
 
-    if args.model is not None:
-        check_model_file(args.model, preset=True)
     if args.plan is None and args.model is not None and plan_from_keras_file(args.model) is None:
         plan = Plan([])  # no plan anywhere: the variables as Keras trains them
         if not args.json:
@@ -100,6 +116,9 @@ def cmd_inspect(args) -> int:
         plan = load_plan(args.plan, model_file=args.model)
     model = _bundled_model() if args.model is None else load_model(args.model, preset=True)
     frz = Freezer(model, plan)
+    saved = optimizer_from_keras_file(args.model) if args.model is not None and not os.path.isdir(args.model) else None
+    if saved is not None:
+        frz.wrap(saved)  # the state column counts the saved optimizer's slots (AdamW, SGD, ...), not Adam's
     if args.json:
         print(json.dumps(frz.report(), indent=2))
     else:
@@ -108,20 +127,31 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def cmd_verify(args) -> int:
-    from finefreeze._errors import FrozenValueChanged
-    from finefreeze._freezer.freezer import Freezer
+def _base_model(path: str, task: dict | None):
+    """The model fine-tuning started from: a ``.keras`` file, or a preset folder (``task``: what was built on it)."""
+    from finefreeze._cli.presets import base_from_preset, is_preset
 
-    check_model_file(args.base)
+    return base_from_preset(path, task) if is_preset(path) else load_model(path)
+
+
+def cmd_verify(args) -> int:
+    check_model_file(args.base, preset=True)
     check_model_file(args.tuned)
+    if args.plan is not None and not os.path.exists(args.plan):
+        raise UserError(f"plan file {args.plan!r} does not exist")
     if args.plan is None and plan_from_keras_file(args.tuned) is None and plan_from_keras_file(args.base) is not None:
         raise UserError(
             f"{args.tuned!r} holds no finefreeze plan but {args.base!r} does: the order is "
             f"`finefreeze verify BASE TUNED` (the model fine-tuning started from first); "
             f"did you mean `finefreeze verify {args.tuned} {args.base}`?"
         )
+    from finefreeze._cli.presets import task_of
+    from finefreeze._errors import FrozenValueChanged
+    from finefreeze._freezer.freezer import Freezer
+
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
-    base, tuned = load_model(args.base), load_model(args.tuned)
+    tuned = load_model(args.tuned)
+    base = _base_model(args.base, task_of(tuned))
     frz = Freezer(tuned, plan)
     try:
         frz.verify(reference=base)
@@ -138,10 +168,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_delta_export(args) -> int:
-    from finefreeze._freezer.freezer import Freezer
-
     check_model_file(args.tuned)
     refuse_overwrite([args.output], [args.tuned, args.plan], "delta export")
+    if args.plan is not None and not os.path.exists(args.plan):
+        raise UserError(f"plan file {args.plan!r} does not exist")
+    check_output(args.output, force=args.force)
+    from finefreeze._freezer.freezer import Freezer
+
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
     with atomic_path(args.output, force=args.force) as tmp:
         frz = Freezer(load_model(args.tuned), plan)
@@ -151,21 +184,35 @@ def cmd_delta_export(args) -> int:
 
 
 def cmd_delta_apply(args) -> int:
+    check_model_file(args.base, preset=True)
+    refuse_overwrite([args.output], [args.base, *args.delta], "delta apply")
+    for d in args.delta:
+        if not os.path.exists(d):
+            raise UserError(f"delta file {d!r} does not exist")
+    if len(set(map(os.path.abspath, args.delta))) < len(args.delta):
+        raise UserError("a delta file is named twice; give each once")
+    check_output(args.output, force=args.force)
     from finefreeze._errors import DeltaError
-    from finefreeze._files.delta import load_delta
+    from finefreeze._files import deltafile
+    from finefreeze._files.entries import bind, read_entries
+    from finefreeze._files.merge import merge_entries
+    from finefreeze._files.switch import WriteFailed, apply_bound
 
-    check_model_file(args.base)
-    refuse_overwrite([args.output], [args.base, args.delta], "delta apply")
-    if not os.path.exists(args.delta):
-        raise UserError(f"delta file {args.delta!r} does not exist")
+    try:
+        named = [(d, read_entries(d)) for d in args.delta]
+        entries = merge_entries(named) if len(named) > 1 else named[0][1]
+    except DeltaError as e:
+        raise UserError(str(e).removeprefix("merge_deltas: ")) from None
     with atomic_path(args.output, force=args.force) as tmp:
-        model = load_model(args.base)
+        model = _base_model(args.base, deltafile.read_json(args.delta[0], "base"))
         try:
-            info = load_delta(model, args.delta)
-        except DeltaError as e:
+            bound = bind(model, entries, " + ".join(repr(d) for d in args.delta))
+            apply_bound(bound)
+        except (DeltaError, WriteFailed) as e:
             raise UserError(str(e)) from None
         model.save(tmp)
-    print(f"wrote {args.output}: {info['elements']:,} elements in {info['variables']} variables from {args.delta}")
+    n = sum(b.entry.elements for b in bound)
+    print(f"wrote {args.output}: {n:,} elements in {len(bound)} variables from {', '.join(args.delta)}")
     return 0
 
 
@@ -254,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
         "check that a fine-tune left every frozen element bit-identical",
         "Exit 0 when every element PLAN freezes is bit-identical in BASE and TUNED, 1 otherwise.",
     )
-    ver.add_argument("base", help="the .keras model fine-tuning started from")
+    ver.add_argument("base", help="the .keras model or KerasHub preset folder fine-tuning started from")
     ver.add_argument("tuned", help="the fine-tuned .keras model")
     ver.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
 
@@ -275,11 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
         dsub,
         "apply",
         cmd_delta_apply,
-        "apply a delta file to its base model",
-        "Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result.",
+        "apply delta files to their base model",
+        "Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result. Several deltas "
+        "trained on disjoint elements of BASE combine (as merge_deltas); overlapping ones are refused.",
     )
-    ap.add_argument("base", help="the .keras base model")
-    ap.add_argument("delta", help="the .safetensors delta")
+    ap.add_argument("base", help="the .keras base model, or the KerasHub preset folder fine-tuning started from")
+    ap.add_argument("delta", nargs="+", help="one or more .safetensors deltas of BASE")
     ap.add_argument("-o", "--output", required=True, help="the .keras file to write")
     ap.add_argument("--force", action="store_true", help="replace an existing output file")
     return p

@@ -9,9 +9,9 @@ them, under a plan that trains only the new embedding rows and the head.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -20,26 +20,13 @@ from typing import Any
 import numpy as np
 
 from finefreeze._backends.randomness import set_seed
+from finefreeze._cli.checks import OUTPUTS, RESUME, check_finetune, done_epochs, file_digest
 from finefreeze._cli.epochs import plain, seed_states, shuffled
-from finefreeze._cli.inputs import check_model_file, data_kind, load_plan, plan_from_keras_file, training_inputs
-from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_preset
+from finefreeze._cli.inputs import data_kind, load_plan, training_inputs
 from finefreeze._files.atomic import Staging, Terminated, UserError, check_interrupt, interrupted
+from finefreeze._files.delta import save_delta
 
 __all__ = ["finetune", "Result", "OUTPUTS", "RESUME", "training_inputs", "data_kind"]  # the last two from inputs
-
-#: the folder in ``--out`` where a run keeps its resume point (Keras' BackupAndRestore) until its outputs are in place
-RESUME = ".finefreeze-resume"
-
-#: every name ``finetune`` may write in ``--out``
-OUTPUTS = (
-    "base.keras",
-    "tuned.keras",
-    "delta.safetensors",
-    "report.json",
-    "tensorboard",
-    "frozen.png",
-    "selected-plan.json",
-)
 
 
 def loss_for(model, y):
@@ -90,6 +77,7 @@ class Result:
     files: dict
     history: dict
     metric: dict
+    base: str = ""  # the base to verify against and rebuild from
 
     def line(self) -> str:
         ok = "verify OK (every frozen element bit-identical)" if self.verified else "verify FAILED"
@@ -98,8 +86,25 @@ class Result:
             f"finefreeze finetune: {m['name']} {m['before']:.4f} before, {m['after']:.4f} after; "
             f"{self.trainable_elements:,} elements trained, {self.frozen_elements:,} frozen; "
             f"{ok}; delta {_kib(self.delta_bytes)} = {100 * self.delta_bytes / self.weights_bytes:.1f}% "
-            f"of the {_kib(self.weights_bytes)} of weights; wrote {self.out}"
+            f"of the {_kib(self.weights_bytes)} of weights; wrote {self.out}{self._next()}"
         )
+
+    def _next(self) -> str:
+        """How to check the result again and rebuild it from the base and the delta."""
+        if not self.base:
+            return ""
+        base, out = shlex.quote(_short(self.base)), self.out
+        tuned, delta = (
+            shlex.quote(os.path.join(out, "tuned.keras")),
+            shlex.quote(os.path.join(out, "delta.safetensors")),
+        )
+        return f". Check: finefreeze verify {base} {tuned}; rebuild: finefreeze delta apply {base} {delta} -o rebuilt.keras"
+
+
+def _short(path: str) -> str:
+    """``path`` relative to the working folder when it lies inside it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def _stop_on_interrupt():
@@ -158,24 +163,10 @@ def finetune(
     """
     from finefreeze._report.events import require_tensorboard
 
-    if epochs < 1 or batch_size < 1 or not lr > 0 or sequence_length < 2:
-        raise UserError(
-            f"--epochs ({epochs}), --batch-size ({batch_size}) and --lr ({lr}) must be positive, "
-            f"--sequence-length ({sequence_length}) at least 2"
-        )
-    if model_path is not None:
-        check_model_file(model_path, preset=True)
-        if plan is None and plan_from_keras_file(model_path) is None:
-            raise UserError(f"--plan PLAN (or --select SCORE) is required with a model ({model_path!r} holds no plan)")
-        if data is None:
-            raise UserError(f"--data is required with a model ({data_kind(model_path)})")
-    if data is not None and not os.path.exists(data):
-        raise UserError(f"data file {data!r} does not exist")
-    if data is not None and is_preset(model_path) != data.endswith(TEXT_SUFFIXES):
-        raise UserError(f"--data {data!r}: give {data_kind(model_path)}")
-    settings = _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy)
-    settings["sequence_length"] = sequence_length if is_preset(model_path) else None
-    _check_resume(out, settings, resume, force)  # before anything loads a framework: a refusal is quick
+    settings = check_finetune(
+        model_path, data=data, plan=plan, optimizer=optimizer, lr=lr, epochs=epochs, batch_size=batch_size,
+        strategy=strategy, out=out, force=force, resume=resume, sequence_length=sequence_length,
+    )  # fmt: skip
     require_tensorboard("finefreeze finetune")
     the_plan = load_plan(plan, model_file=model_path)
     with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json") as stage:
@@ -192,7 +183,7 @@ def finetune(
                 shutil.copyfile(plan, stage.path("selected-plan.json"))
             what = "pretraining the bundled text model" if model_path is None else f"loading {model_path}"
             if resume:
-                what += f", to resume after epoch {_done_epochs(point)}"
+                what += f", to resume after epoch {done_epochs(point)}"
             print_fn(f"finefreeze finetune: {what} ...", flush=True)
             result = _run(
                 stage,
@@ -227,79 +218,7 @@ def _interrupted_at(point: str, e: KeyboardInterrupt) -> None:
     if not os.path.exists(os.path.join(point, "latest.weights.h5")):  # no epoch finished: nothing to resume
         shutil.rmtree(point, ignore_errors=True)
     else:
-        e.add_note(f"rerun the same command with --resume to continue after epoch {_done_epochs(point)}")
-
-
-def _digest(path: str | None) -> str | None:
-    if path is None:
-        return None
-    if os.path.isdir(path):
-        return digest_folder(path)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy) -> dict:
-    """What a resumed run must share with the interrupted one (files by their contents)."""
-    return {
-        "model": _digest(model_path),
-        "data": _digest(data),
-        "plan": _digest(plan),
-        "optimizer": optimizer,
-        "lr": lr,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "strategy": strategy,
-    }
-
-
-_WHAT = {
-    "model": "MODEL",
-    "data": "--data",
-    "plan": "--plan/--select",
-    "batch_size": "--batch-size",
-    "sequence_length": "--sequence-length",
-}
-
-
-def _check_resume(out: str, settings: dict, resume: bool, force: bool) -> None:
-    """Refuse (changing nothing) a ``--resume`` with nothing to resume or other settings, or a resume point left unasked."""
-    folder = os.path.join(out, RESUME)
-    if not resume:
-        if os.path.isdir(folder) and not force:
-            raise UserError(
-                f"--out {out!r} holds the resume point of an interrupted run{_done(folder)}; "
-                "pass --resume to continue it, or --force to start over"
-            )
-        return
-    try:
-        with open(os.path.join(folder, "settings.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        raise UserError(
-            f"--resume: --out {out!r} holds no interrupted run to resume (no {RESUME}/settings.json); "
-            "run without --resume"
-        ) from None
-    for key, now in settings.items():
-        if saved.get(key) != now:
-            what = _WHAT.get(key, f"--{key}")
-            then = saved.get(key)
-            detail = "another file" if key in ("model", "data", "plan") else f"{then!r} then, {now!r} now"
-            raise UserError(
-                f"--resume: the interrupted run in {out!r} had another {what} ({detail}); "
-                "resume with the same command line, or start over with --force"
-            )
-
-
-def _done(folder: str) -> str:
-    try:
-        with open(os.path.join(folder, "training_metadata.json")) as f:
-            return f" (after epoch {int(json.load(f)['epoch'])})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+        e.add_note(f"rerun the same command with --resume to continue after epoch {done_epochs(point)}")
 
 
 def _resume_point(out: str, settings: dict, resume: bool) -> str:
@@ -319,14 +238,6 @@ def _terminal() -> bool:
         return sys.stdout.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def _done_epochs(point: str) -> int:
-    try:
-        with open(os.path.join(point, "training_metadata.json")) as f:
-            return int(json.load(f)["epoch"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
 
 
 def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn):
@@ -351,7 +262,7 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     name = metrics[0] if metrics else "loss"
     before = _metric(model, val, batch_size, name)
     board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
-    first_epoch = _done_epochs(point)
+    first_epoch = done_epochs(point)
     try:
         hist = plain(model, "fit")(
             shuffled(x, y, batch_size, first_epoch),
@@ -382,7 +293,8 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     model.save(stage.path("tuned.keras"))
     files["model"] = os.path.join(out, "tuned.keras")
     check_interrupt()
-    delta = frz.save_delta(stage.path("delta.safetensors"))
+    base = _base_record(model, model_path, out)
+    delta = save_delta(frz, stage.path("delta.safetensors"), base=base)
     files["delta"] = os.path.join(out, "delta.safetensors")
     weights = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
     try:
@@ -403,6 +315,7 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
         files=files,
         history={k: [float(v) for v in vs] for k, vs in hist.history.items()},
         metric=metric,
+        base=base["path"],
     )
     rep["finetune"] = {
         "verified": verified,
@@ -418,11 +331,22 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
         "batch_size": batch_size,
         "resumed_after_epoch": first_epoch,  # history holds the epochs this run trained
         "labels": getattr(model, "_finefreeze_labels", None),  # a preset's classes: output k is labels[k]
+        "base": base,  # what fine-tuning started from: `finefreeze verify BASE tuned.keras` checks against it
     }
     with open(stage.path("report.json"), "w") as f:
         json.dump(rep, f, indent=2, default=_json_default)
     stage.commit()
     return result
+
+
+def _base_record(model, model_path: str | None, out: str) -> dict:
+    """What the run started from: the preset (path, sha256, the task built on it) or the ``.keras`` file."""
+    record = getattr(model, "_finefreeze_base", None)
+    if record is not None:
+        return {"path": record["preset"], **record}
+    if model_path is None:  # the bundled model, written to --out
+        return {"path": os.path.join(out, "base.keras")}
+    return {"path": os.path.abspath(model_path), "sha256": file_digest(model_path)}
 
 
 def _json_default(o: Any):

@@ -21,6 +21,7 @@ __all__ = [
     "check_model_file",
     "load_model",
     "plan_from_keras_file",
+    "optimizer_from_keras_file",
     "load_plan",
     "load_data",
     "training_inputs",
@@ -78,10 +79,8 @@ def load_model(path: str | None, *, preset: bool = False):
         raise UserError(f"cannot load model {path!r}: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
 
 
-def plan_from_keras_file(path: str):
-    """The plan a ``FreezingOptimizer`` saved in a ``.keras`` file's compile config, or None."""
-    from finefreeze._plan.plan import Plan
-
+def _saved_freezing_optimizer(path: str) -> dict | None:
+    """The config of the ``FreezingOptimizer`` saved in a ``.keras`` file's compile config, or None."""
     try:
         with zipfile.ZipFile(path) as z:
             config = json.loads(z.read("config.json"))
@@ -90,10 +89,30 @@ def plan_from_keras_file(path: str):
     opt = (config.get("compile_config") or {}).get("optimizer")
     while isinstance(opt, dict):
         if opt.get("class_name") == "FreezingOptimizer":
-            plan = opt.get("config", {}).get("plan")
-            return Plan.from_dict(plan, source=f"{path} (saved plan)") if plan else None
+            return opt.get("config", {})
         opt = opt.get("config", {}).get("inner_optimizer")
     return None
+
+
+def plan_from_keras_file(path: str):
+    """The plan a ``FreezingOptimizer`` saved in a ``.keras`` file's compile config, or None."""
+    from finefreeze._plan.plan import Plan
+
+    plan = (_saved_freezing_optimizer(path) or {}).get("plan")
+    return Plan.from_dict(plan, source=f"{path} (saved plan)") if plan else None
+
+
+def optimizer_from_keras_file(path: str):
+    """The optimizer a ``FreezingOptimizer`` in a ``.keras`` file wraps (AdamW, SGD, ...), new; or None."""
+    inner = (_saved_freezing_optimizer(path) or {}).get("inner_optimizer")
+    if not isinstance(inner, dict):
+        return None
+    import keras
+
+    try:
+        return keras.optimizers.deserialize(inner)
+    except Exception:  # a custom optimizer this process does not know: the report assumes Adam
+        return None
 
 
 def load_plan(path: str | None, *, model_file: str | None = None, bundled: bool = True):

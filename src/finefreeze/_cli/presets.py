@@ -18,9 +18,21 @@ import re
 
 import numpy as np
 
+from finefreeze._backends.randomness import set_seed
 from finefreeze._files.atomic import UserError
 
-__all__ = ["is_preset", "check_preset", "load_preset", "load_text_data", "text_task", "new_head", "digest_folder"]
+__all__ = [
+    "is_preset",
+    "check_preset",
+    "load_preset",
+    "load_text_data",
+    "text_task",
+    "classifier_from_preset",
+    "base_from_preset",
+    "task_of",
+    "new_head",
+    "digest_folder",
+]
 
 HUB_HINT = "pip install 'finefreeze[hub]' (KerasHub)"
 TEXT_SUFFIXES = (".csv", ".jsonl")
@@ -153,14 +165,8 @@ def text_task(path: str, data: str, *, sequence_length: int):
     """
     check_preset(path)
     texts, labels, names = load_text_data(data)
-    keras_hub = _keras_hub()
-    try:
-        pre = keras_hub.models.TextClassifierPreprocessor.from_preset(path, sequence_length=sequence_length)
-        model = keras_hub.models.TextClassifier.from_preset(path, num_classes=len(names), preprocessor=pre)
-    except Exception as e:
-        raise UserError(
-            f"cannot make a text classifier from preset {path!r}: {type(e).__name__}: {_first_line(e)}"
-        ) from None
+    model = classifier_from_preset(path, num_classes=len(names), sequence_length=sequence_length)
+    pre = model.preprocessor
     longest = getattr(model.backbone, "max_sequence_length", None)
     if longest is not None and sequence_length > longest:
         raise UserError(
@@ -173,10 +179,59 @@ def text_task(path: str, data: str, *, sequence_length: int):
     model.preprocessor = None
     model._finefreeze_preprocessor = pre  # put back by the caller before it saves
     model._finefreeze_labels = names  # class k stands for names[k] (report.json)
+    model._finefreeze_base = {  # what the delta records, so that `delta apply PRESET` builds this model again
+        "preset": os.path.abspath(path),
+        "sha256": digest_folder(path),
+        "task": "TextClassifier",
+        "num_classes": len(names),
+        "sequence_length": sequence_length,
+    }
     cut = max(1, len(labels) // 10)
     train = ({k: v[:-cut] for k, v in x.items()}, labels[:-cut])
     val = ({k: v[-cut:] for k, v in x.items()}, labels[-cut:])
     return model, train, val, names
+
+
+def classifier_from_preset(path: str, *, num_classes: int, sequence_length: int):
+    """The preset's ``TextClassifier`` with ``num_classes`` outputs and its preprocessor (texts cut to ``sequence_length``).
+
+    The new head's initial values come from Keras' seed: ``finetune`` and
+    the commands that rebuild its base (``verify``, ``delta apply``) call
+    this right after seeding with 0, so they build the same model.
+    """
+    check_preset(path)
+    keras_hub = _keras_hub()
+    try:
+        pre = keras_hub.models.TextClassifierPreprocessor.from_preset(path, sequence_length=sequence_length)
+        return keras_hub.models.TextClassifier.from_preset(path, num_classes=num_classes, preprocessor=pre)
+    except Exception as e:
+        raise UserError(
+            f"cannot make a text classifier from preset {path!r}: {type(e).__name__}: {_first_line(e)}"
+        ) from None
+
+
+def base_from_preset(path: str, task: dict | None):
+    """The model a fine-tune of preset ``path`` started from: the task ``task`` records (seeded as ``finetune``
+    seeds it), or what the preset holds when nothing is recorded."""
+    if not task or task.get("task") != "TextClassifier":
+        return load_preset(path)
+    set_seed(0)
+    return classifier_from_preset(
+        path, num_classes=int(task["num_classes"]), sequence_length=int(task.get("sequence_length", 128))
+    )
+
+
+def task_of(model) -> dict | None:
+    """What :func:`base_from_preset` needs to build ``model``'s base again (a preset's text classifier), or None."""
+    try:
+        import keras_hub
+    except ImportError:
+        return None
+    if not isinstance(model, keras_hub.models.TextClassifier):
+        return None
+    pre = getattr(model, "preprocessor", None)
+    length = getattr(pre, "sequence_length", None)
+    return {"task": "TextClassifier", "num_classes": int(model.num_classes), "sequence_length": int(length or 128)}
 
 
 def new_head(model) -> list[str]:

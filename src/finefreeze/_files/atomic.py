@@ -223,6 +223,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def check_output(path: str, *, force: bool = False, flag: str = "--force") -> None:
+    """Raise :class:`UserError` unless a command may write the file ``path`` (what :func:`atomic_path` refuses)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise UserError(f"{path!r} is a directory; give a file name")
+    if os.path.exists(path) and not force:
+        raise UserError(f"{path!r} exists; pass {flag} to replace it")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise UserError(f"the folder of {path!r} does not exist")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str, *, force: bool = False, flag: str = "--force") -> Iterator[str]:
     """A temporary path next to ``path``; renamed onto ``path`` if the block succeeds.
@@ -236,13 +247,8 @@ def atomic_path(path: str, *, force: bool = False, flag: str = "--force") -> Ite
         The temporary path to write (same directory, same extension).
     """
     path = os.fspath(path)
-    if os.path.isdir(path):
-        raise UserError(f"{path!r} is a directory; give a file name")
-    if os.path.exists(path) and not force:
-        raise UserError(f"{path!r} exists; pass {flag} to replace it")
+    check_output(path, force=force, flag=flag)
     folder, name = os.path.split(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UserError(f"the folder of {path!r} does not exist")
     stem, ext = os.path.splitext(name)
     tmp = os.path.join(folder, f".{stem}.tmp-{os.getpid()}{ext}")
     try:
@@ -277,21 +283,7 @@ class Staging:
     ):
         self.out = os.fspath(out)
         self.names = list(names)
-        if os.path.exists(self.out) and not os.path.isdir(self.out):
-            raise UserError(f"--out {self.out!r} is a file, not a folder; choose a folder")
-        used = [n for n in self.names if os.path.lexists(os.path.join(self.out, n))]
-        refuse_overwrite([os.path.join(self.out, n) for n in used], inputs, "finetune")
-        if used and marker is not None and marker not in used:
-            # names like ours, but no run of ours wrote them: never replace them, not even with --force
-            raise UserError(
-                f"--out {self.out!r} holds {', '.join(used)} that no finefreeze run wrote (no {marker}); "
-                "choose another --out"
-            )
-        if used and not force:
-            raise UserError(
-                f"--out {self.out!r} holds files of another run ({', '.join(used)}); "
-                "pass --force to replace them, or choose another --out"
-            )
+        self.check(self.out, self.names, force=force, inputs=inputs, marker=marker)
         self.created = not os.path.exists(self.out)
         self.dir = os.path.join(self.out, f".finefreeze-tmp-{os.getpid()}")
         self.committed = False
@@ -306,6 +298,26 @@ class Staging:
         except KeyboardInterrupt:
             self.cleanup()
             raise
+
+    @staticmethod
+    def check(
+        out: str, names: Iterable[str], *, force: bool, inputs: Iterable[str | None], marker: str | None = None
+    ) -> None:
+        """Raise :class:`UserError` if a run may not write ``names`` in ``out`` (what ``Staging`` refuses)."""
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise UserError(f"--out {out!r} is a file, not a folder; choose a folder")
+        used = [n for n in names if os.path.lexists(os.path.join(out, n))]
+        refuse_overwrite([os.path.join(out, n) for n in used], inputs, "finetune")
+        if used and marker is not None and marker not in used:
+            # names like ours, but no run of ours wrote them: never replace them, not even with --force
+            raise UserError(
+                f"--out {out!r} holds {', '.join(used)} that no finefreeze run wrote (no {marker}); choose another --out"
+            )
+        if used and not force:
+            raise UserError(
+                f"--out {out!r} holds files of another run ({', '.join(used)}); "
+                "pass --force to replace them, or choose another --out"
+            )
 
     def path(self, name: str) -> str:
         """Where to write ``name`` while the run is in progress."""

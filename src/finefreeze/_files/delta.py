@@ -6,34 +6,34 @@ Its metadata names the library version, the plan, a fingerprint of the
 frozen part of every variable (``load_delta`` refuses a base whose frozen
 part differs) and a checksum of every stored tensor. ``load_delta`` checks
 everything before it writes anything, and restores what it wrote if a write
-fails. Files are written atomically (temporary file, fsync, rename).
+fails. Values are written in place, element by element
+(:mod:`finefreeze._files.switch`). Files are written atomically (temporary
+file, fsync, rename).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from typing import Any
 
 import numpy as np
 
-from finefreeze._backends.distribute import owner_scope
 from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile
-from finefreeze._resolve.fingerprint import block_hashes
-from finefreeze._resolve.targets import collect, match_path
+from finefreeze._files.entries import bind, digest, read_entries
+from finefreeze._files.switch import WriteFailed, apply_bound
 from finefreeze._version import __version__
 
-__all__ = ["save_delta", "load_delta"]
+__all__ = ["save_delta", "load_delta", "write_file"]
 
 
-def _digest(value: np.ndarray, frozen: np.ndarray | None) -> str:
-    return hashlib.blake2b(block_hashes(value, frozen).tobytes(), digest_size=16).hexdigest()
+def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dict[str, Any]:
+    """Write the delta of ``frz``'s target to ``path``; return a summary.
 
-
-def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
-    """Write the delta of ``frz``'s target to ``path``; return a summary."""
+    ``base``: what the model was built from (the command line records a
+    KerasHub preset and the task built on it), stored in the metadata.
+    """
     tensors: dict[str, np.ndarray] = {}
     meta_vars = {}
     res = frz.resolution
@@ -47,19 +47,24 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
             idx = mask.trainable_flat_indices()
             tensors.update(deltafile.encode_index(p, idx))
             tensors[f"{p}::values"] = value.reshape(-1)[idx]
-            info["frozen"] = _digest(value, mask.dense())
+            info["frozen"] = digest(value, idx)
         else:
-            info["frozen"] = _digest(value, None)
+            info["frozen"] = digest(value, None)
         meta_vars[p] = info
     try:
         plan = json.dumps(frz.plan.to_dict())
     except PlanError:
         plan = "null"
+    return write_file(path, tensors, meta_vars, plan, base=base)
+
+
+def write_file(path, tensors, variables, plan: str, *, base=None, fmt: str = deltafile.FORMAT) -> dict[str, Any]:
+    """Write a delta atomically (temporary file, fsync, rename); return ``{path, bytes, tensors}``."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        deltafile.write(tensors, meta_vars, plan, __version__, tmp)
+        deltafile.write(tensors, variables, plan, __version__, tmp, base=base, fmt=fmt)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)
@@ -70,59 +75,6 @@ def save_delta(frz, path: str | os.PathLike) -> dict[str, Any]:
         if os.path.exists(tmp):
             os.remove(tmp)
     return {"path": path, "bytes": os.path.getsize(path), "tensors": len(tensors)}
-
-
-def _plan_writes(path: str, variables: dict, tensors: dict, by_path: dict) -> list[tuple[str, Any, np.ndarray]]:
-    """Every ``(path, variable, new value)`` to write, after every check against the base."""
-    writes = []
-    for p, info in variables.items():
-        try:
-            vi = match_path(p, by_path)
-        except PlanError as e:
-            raise DeltaError(f"delta {path!r}: {e}") from None
-        shape, dtype = tuple(int(n) for n in info["shape"]), np.dtype(info["dtype"])
-        if vi is None:
-            raise DeltaError(f"delta {path!r}: the base has no variable {p!r} (shape {shape}).")
-        if tuple(vi.shape) != shape or np.dtype(vi.dtype) != dtype:
-            raise DeltaError(
-                f"delta {path!r}: variable {p!r} is {tuple(vi.shape)} {vi.dtype} in the base but "
-                f"{shape} {dtype} in the delta."
-            )
-        kind = info["kind"]
-        if kind in ("trainable", "untrained"):
-            value = tensors[p]
-            if value.dtype != dtype or value.shape != shape:
-                raise DeltaError(
-                    f"delta {path!r}: tensor {p!r} is {value.dtype} {value.shape}, its variable {dtype} {shape}."
-                )
-            writes.append((p, vi.variable, value))
-            continue
-        base = np.asarray(vi.variable.numpy())
-        frozen = None
-        if kind == "partial":
-            try:
-                idx = deltafile.decode_index(p, tensors, base.size)
-            except DeltaError as e:
-                raise DeltaError(f"delta {path!r}: {e}") from None
-            values = tensors[f"{p}::values"]
-            if values.dtype != dtype or values.shape != idx.shape:
-                raise DeltaError(
-                    f"delta {path!r}: tensor {p + '::values'!r} is {values.dtype} {values.shape} but "
-                    f"{p!r} needs {dtype} ({idx.size},) for its {idx.size} trainable elements."
-                )
-            frozen = np.ones(base.size, bool)
-            frozen[idx] = False
-            frozen = frozen.reshape(base.shape)
-        if _digest(base, frozen) != info.get("frozen"):
-            raise DeltaError(
-                f"delta {path!r}: the frozen part of {p!r} (shape {tuple(base.shape)}) differs from "
-                "the base the delta was trained on (fingerprint mismatch); apply it to that base."
-            )
-        if kind == "partial":
-            flat = base.reshape(-1).copy()
-            flat[idx] = values
-            writes.append((p, vi.variable, flat.reshape(base.shape)))
-    return writes
 
 
 def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
@@ -162,28 +114,10 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
         [[0.0, 0.0], [1.0, 2.0]]
     """
     path = os.fspath(path)
-    variables, tensors = deltafile.read(path)
+    entries = read_entries(path)
+    bound = bind(target, entries, f"delta {path!r}")
     try:
-        t = collect(target)
-    except PlanError as e:
-        raise DeltaError(str(e)) from None
-    by_path = {n: vi for vi in t.variables for n in vi.names}
-    writes = _plan_writes(path, variables, tensors, by_path)
-    done: list[tuple[Any, np.ndarray]] = []
-    with owner_scope([v for _, v, _ in writes]):
-        for p, var, value in writes:
-            old = np.array(var.numpy(), copy=True)
-            try:
-                var.assign(value)
-            except BaseException as e:  # an interrupt too: never leave the base half-written
-                for v, o in reversed(done):
-                    v.assign(o)
-                if not isinstance(e, Exception):
-                    raise
-                raise DeltaError(
-                    f"delta {path!r}: writing {p!r} failed ({type(e).__name__}: {e}); the base was restored."
-                ) from None
-            done.append((var, old))
-    n_partial = sum(int(tensors[f"{p}::values"].size) for p, i in variables.items() if i["kind"] == "partial")
-    n_full = sum(int(tensors[p].size) for p, i in variables.items() if i["kind"] in ("trainable", "untrained"))
-    return {"variables": len(writes), "elements": n_partial + n_full}
+        apply_bound(bound)
+    except WriteFailed as e:  # every element written so far was written back
+        raise DeltaError(f"delta {path!r}: {e}; the base was restored.") from None
+    return {"variables": len(bound), "elements": sum(b.entry.elements for b in bound)}

@@ -7,10 +7,25 @@ Metadata entries (all strings, as safetensors requires):
 - ``variables``: JSON ``{path: {shape, dtype, kind, frozen?}}``, ``kind``
   one of ``trainable``, ``untrained``, ``partial``, ``frozen``; ``frozen`` is
   the digest of the variable's frozen part (see ``delta``);
+- ``base`` (optional): JSON naming what the delta was trained from (a
+  KerasHub preset's path and sha256, the task built on it), so that the
+  command line can rebuild that model;
 - ``tensors``: JSON ``{key: {dtype, shape, sha256}}`` for every stored tensor
   (``path`` for whole variables, ``path::index`` or ``path::runs`` and
   ``path::values`` for partially frozen ones);
 - ``checksum``: sha256 of the other entries, so damaged metadata is caught too.
+
+Format 3 (``finefreeze.delta/3``, written by ``merge_deltas`` only) is format
+2 where a variable may carry ``checks`` instead of ``frozen``: a list of
+``{"frozen": digest, "trained": key?}``, one per delta that was merged, each
+the digest of the base with that delta's trained elements (the indices
+stored under ``key::index`` or ``key::runs``; none: the whole variable)
+zeroed. Every check must hold on the base. ``save_delta`` keeps writing
+format 2, which release 0.3 reads.
+
+Files are written by :func:`write` itself, not by safetensors' ``save``,
+whose metadata order changes from process to process: the same delta is
+the same bytes (metadata keys sorted, tensors by alignment then name).
 
 :func:`read` checks all of it — header, metadata, keys, dtypes, shapes and
 checksums, missing or extra tensors — and raises :class:`DeltaError` naming
@@ -29,10 +44,27 @@ import numpy as np
 from finefreeze._errors import DeltaError
 from finefreeze._kinds import STATES
 
-__all__ = ["FORMAT", "write", "read", "encode_index", "decode_index", "stored_keys"]
+__all__ = ["FORMAT", "FORMAT_MERGED", "write", "read", "read_json", "encode_index", "decode_index", "stored_keys"]
 
 FORMAT = "finefreeze.delta/2"
+FORMAT_MERGED = "finefreeze.delta/3"
 _V1 = "finefreeze.delta/1"
+_READABLE = (FORMAT, FORMAT_MERGED)
+_SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 
 
 def _sha256(a: np.ndarray) -> str:
@@ -69,33 +101,74 @@ def decode_index(p: str, tensors: dict[str, np.ndarray], size: int) -> np.ndarra
     return idx
 
 
+def _index_key(key: str, tensors: dict) -> str:
+    return f"{key}::runs" if f"{key}::runs" in tensors else f"{key}::index"
+
+
 def stored_keys(p: str, info: dict, tensors: dict) -> list[str]:
     """The tensor keys a variable entry needs."""
     kind = info["kind"]
+    checks = [_index_key(c["trained"], tensors) for c in info.get("checks", ()) if c.get("trained")]
     if kind in ("trainable", "untrained"):
-        return [p]
+        return [p, *checks]
     if kind == "partial":
-        return [f"{p}::runs" if f"{p}::runs" in tensors else f"{p}::index", f"{p}::values"]
-    return []
+        return [_index_key(p, tensors), f"{p}::values", *checks]
+    return checks
 
 
-def write(tensors: dict[str, np.ndarray], variables: dict, plan: str, version: str, path: str) -> None:
-    """Write a v2 delta to ``path`` (the caller makes it atomic)."""
-    from safetensors.numpy import save
+def _safetensors_bytes(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> list[bytes]:
+    """A safetensors file as chunks: the header (metadata keys sorted), then each tensor's bytes.
 
+    Tensors go by alignment (widest dtype first), then by name, so every
+    tensor starts at a multiple of its item size; the header is padded with
+    spaces to a multiple of 8 bytes, as the format allows.
+    """
+    order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(meta.items()))}
+    chunks, offset = [], 0
+    for k in order:
+        a = tensors[k]
+        code = _SAFETENSORS_DTYPES.get(str(a.dtype))
+        if code is None:
+            raise DeltaError(f"tensor {k!r} has dtype {a.dtype}, which a safetensors file cannot hold")
+        data = a.tobytes()
+        header[k] = {"dtype": code, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [len(text).to_bytes(8, "little"), text, *chunks]
+
+
+def write(
+    tensors: dict[str, np.ndarray],
+    variables: dict,
+    plan: str,
+    version: str,
+    path: str,
+    *,
+    base: dict | None = None,
+    fmt: str = FORMAT,
+) -> None:
+    """Write a delta to ``path`` (the caller makes it atomic); the same arguments give the same bytes."""
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    table = {k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in tensors.items()}
+    table = {
+        k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in sorted(tensors.items())
+    }
     meta = {
-        "format": FORMAT,
+        "format": fmt,
         "finefreeze": version,
         "plan": plan,
         "variables": json.dumps(variables),
         "tensors": json.dumps(table),
     }
+    if base is not None:
+        meta["base"] = json.dumps(base, sort_keys=True)
     meta["checksum"] = _meta_checksum(meta)
-    data = save(tensors, metadata=meta)  # bytes; written here so that a failing write is an OSError
+    chunks = _safetensors_bytes(tensors, meta)  # built first: a failing write below is an OSError
     with open(path, "wb") as f:
-        f.write(data)
+        for c in chunks:
+            f.write(c)
 
 
 def _open(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
@@ -123,8 +196,19 @@ def _open(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     return meta, tensors
 
 
+def read_json(path: str, key: str) -> Any:
+    """The JSON metadata entry ``key`` of the delta at ``path`` (``plan``, ``base``), or None; not checked."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="np") as f:
+            return json.loads((f.metadata() or {}).get(key, "null"))
+    except Exception:
+        return None
+
+
 def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The ``variables`` metadata and the tensors of a v2 delta, every byte checked.
+    """The ``variables`` metadata and the tensors of a delta (format 2 or 3), every byte checked.
 
     Raises:
         DeltaError: naming the tensor or metadata entry that is damaged, missing or extra.
@@ -136,7 +220,7 @@ def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             f"delta {path!r} is format 1 (no checksums), which this version no longer applies; export it again "
             "from the tuned model: `finefreeze delta export TUNED.keras -o DELTA.safetensors` (or Freezer.save_delta)."
         )
-    if fmt != FORMAT:
+    if fmt not in _READABLE:
         raise DeltaError(f"{path!r} is not a finefreeze delta file (format {fmt!r}, expected {FORMAT!r}).")
     if meta.get("checksum") != _meta_checksum(meta):
         raise DeltaError(f"delta {path!r}: its metadata is damaged (checksum mismatch); export it again.")

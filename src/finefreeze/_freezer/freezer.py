@@ -15,7 +15,7 @@ from finefreeze._enforce.layout import Layout
 from finefreeze._errors import FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
 from finefreeze._freezer.base import FreezerBase, as_plan
-from finefreeze._freezer.keras_flags import honour_flags, set_flags, warn_switched_off
+from finefreeze._freezer.keras_flags import honour_flags, set_flags, warn_switched_off, warn_switched_on
 from finefreeze._freezer.reload import adopt_checkpoint, rebuild_freezer
 from finefreeze._freezer.sliced_calls import set_sliced
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
@@ -359,6 +359,7 @@ class Freezer(FreezerBase):
             The wrapping ``FreezingOptimizer``.
         """
         honour_flags(self)  # layer.trainable switched since the flags were set: rules of the plan
+        warn_switched_on(self._target, self._res)
         warn_switched_off(self._res)
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")

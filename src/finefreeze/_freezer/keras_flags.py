@@ -30,9 +30,10 @@ from finefreeze._resolve.resolve import FROZEN, UNTRAINED
 from finefreeze._resolve.scopes import layer_scope
 from finefreeze._resolve.targets import base_trainable, remember_base
 
-__all__ = ["flag_changes", "honour_flags", "set_flags", "set_layer_flags", "warn_switched_off"]
+__all__ = ["flag_changes", "honour_flags", "set_flags", "set_layer_flags", "warn_switched_off", "warn_switched_on"]
 
 _SET = "_finefreeze_set_trainable"
+_VAR_SET = "_finefreeze_set_flag"  # on a variable: the flag a Freezer set last
 _CALL = "_finefreeze_inference_call"
 
 
@@ -189,7 +190,42 @@ def set_flags(target, res) -> bool:
             want = s.state != FROZEN
             if s.variable.trainable != want:
                 s.variable.trainable, changed = want, True
+            setattr(s.variable, _VAR_SET, want)  # what a Freezer set last: warn_switched_on tells a user's switch
     return changed
+
+
+def warn_switched_on(target, res) -> None:
+    """Warn, and set the flags back, when Keras' flag is on again for variables the plan freezes whole.
+
+    ``model.trainable = True`` (or a layer's, when that layer's flag was
+    already on) after a Freezer turns every variable flag under it back on:
+    nothing a layer flag records (:func:`flag_changes` sees no switch), and
+    nothing would train, as the plan still freezes them. Said, not silently
+    ignored; the flags go back to the plan's so Keras computes no gradient
+    for them. A flag another Freezer of the model turned on (two plans over
+    shared layers, as in a GAN) is not a switch: each variable remembers
+    the flag a Freezer set last. (On TensorFlow, Keras 3.15's setter does
+    not reach the variables' flags at all: there nothing changes to say.)
+    """
+    on = [
+        s.path
+        for s in res.states
+        if s.state == FROZEN
+        and s.info.is_keras
+        and s.variable.trainable
+        and getattr(s.variable, _VAR_SET, True) is False  # a Freezer switched it off last, not on (another plan)
+    ]
+    if not on:
+        return
+    set_flags(target, res)
+    shown = ", ".join(on[:3]) + (f" and {len(on) - 3} more" if len(on) > 3 else "")
+    warnings.warn(
+        f"Keras' trainable flag was turned back on for {len(on)} variable(s) the plan freezes ({shown}), e.g. "
+        "by model.trainable = True after the Freezer: the plan keeps them frozen, bit for bit, and the flags "
+        "are set back. To train them, change the plan: frz.update(frz.plan.train('**')) (or a narrower selector).",
+        FreezeWarning,
+        stacklevel=3,
+    )
 
 
 def warn_switched_off(res) -> None:

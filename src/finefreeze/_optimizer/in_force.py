@@ -96,8 +96,10 @@ def _message(opt, missing, consequence: str, what: str = "it trains") -> str:
     return (
         f"the plan this optimizer enforces is not the one in force: {len(missing)} variable(s) {what} "
         f"{among} the variables training hands it ({', '.join(missing[:3])}{more}), so they {consequence}. "
-        "The model's Keras flags follow another Freezer (created or activated after this optimizer's); call "
-        f".activate() on this optimizer's Freezer{which} before fit."
+        "The model's Keras flags changed since it was compiled: another Freezer was created or activated "
+        f"after this optimizer's (call .activate() on this optimizer's Freezer{which} before fit), or "
+        "model.trainable / layer.trainable was set (change the plan with Freezer.update instead, or compile "
+        "again: the next wrap says what the flag changed)."
     )
 
 
@@ -146,8 +148,10 @@ def check_stateless(opt, trainable_variables) -> None:
         raise PlanError(
             f"the plan this optimizer enforces is not the one in force: training hands it "
             f"{len(trainable_variables)} variables, and it was built on {len(built)} "
-            "(the model's Keras flags follow another Freezer, activated after this optimizer was built). "
-            f"Call .activate() on this optimizer's Freezer{which} before fit."
+            "(the model's Keras flags changed since: another Freezer was activated after this optimizer was "
+            f"built, so call .activate() on this optimizer's Freezer{which} before fit; or model.trainable / "
+            "layer.trainable was set, so change the plan with Freezer.update instead, or compile again: the "
+            "next wrap says what the flag changed)."
         )
 
 

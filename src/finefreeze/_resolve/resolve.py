@@ -176,7 +176,13 @@ def _element_selection(i: int, rule: Rule, vi: VarInfo, cache: dict | None = Non
                 f"{_where(i, rule, vi)}: where= returned dtype {got.dtype} with shape "
                 f"{got.shape}; it must return a bool array (e.g. `lambda w: w == 0`)."
             )
-        sel &= _broadcast(i, rule, vi, got, "where= result")
+        if got.shape != tuple(vi.shape):  # a predicate on the value has its shape: anything else is a mistake
+            raise PlanError(
+                f"{_where(i, rule, vi)}: where= returned shape {got.shape}, not the variable's shape "
+                f"{tuple(vi.shape)}; return one bool per element (e.g. `lambda w: np.abs(w) > 0.1`), or use "
+                "mask= for a pattern that broadcasts."
+            )
+        sel &= got
     return sel
 
 
