@@ -170,8 +170,8 @@ class DeltaSwitch:
                 raise DeltaError(f"delta {name!r}: {e}") from None
             self._deltas[name] = _narrow(bind(model, entries, f"delta {name!r} ({path!r})"))
             self._paths[name] = path
-        self._variables = [(vi.path, vi.variable) for vi in collect(model).variables]
-        self._base = {p: digest(read_elements(v, None), None) for p, v in self._variables}
+        self._every_variable = [(vi.path, vi.variable) for vi in collect(model).variables]
+        self._base = {p: digest(read_elements(v, None), None) for p, v in self._every_variable}
         self._active: str | None = None
         self._saved: list[np.ndarray] = []
         self._kept: dict[str, list[np.ndarray]] = {}  # per delta used once: the base's values at its elements
@@ -259,7 +259,7 @@ class DeltaSwitch:
         """
         active = {id(b.variable): (b, old) for b, old in zip(self._deltas.get(self._active, []), self._saved)}
         moved = []
-        for path, variable in self._variables:
+        for path, variable in self._every_variable:
             value = read_elements(variable, None)
             if id(variable) in active:
                 b, old = active[id(variable)]
