@@ -247,6 +247,39 @@ def test_a_reversible_embedding_tied_to_the_output_trains_its_rows_as_the_dense_
     close(got["sliced"], got["dense"], "tied table")
 
 
+@pytest.mark.parametrize("gradients_", ["sliced", "dense"])
+def test_tied_new_rows_take_the_gradient_written_out_by_hand(gradients_):
+    """One SGD step on the new rows of a tied table equals the gradient written out in NumPy.
+
+    logits = h · Eᵀ with h the mean of the looked-up rows: the trained rows' gradient is the output
+    projection's ``dlogits[:, rows]ᵀ · h`` plus the lookup's ``dh / T`` for every position that reads
+    them. Guards both paths against being wrong the same way (the test above compares them).
+    """
+    keras.utils.set_random_seed(6)
+    i = keras.Input((7,), dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(VOCAB, DIM, tie_weights=True, name="tok")
+    m = keras.Model(i, emb(keras.layers.GlobalAveragePooling1D()(emb(i)), reverse=True))
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train(TRAINED["range"])]), gradients=gradients_)
+    lr, ids, y = 0.5, IDS[:16], IDS[:16, 0]
+    m.compile(optimizer=frz.wrap(keras.optimizers.SGD(lr)), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    table = numpy(emb.embeddings)
+    m.train_on_batch(ids, y)
+    e = table.astype(np.float64)
+    h = e[ids].mean(axis=1)  # (B, D)
+    logits = h @ e.T
+    p = np.exp(logits - logits.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    dlogits = (p - np.eye(VOCAB)[y]) / len(y)  # mean cross-entropy
+    grad = dlogits.T @ h  # the output projection's share
+    dh = dlogits @ e
+    np.add.at(grad, ids.reshape(-1), np.repeat(dh / ids.shape[1], ids.shape[1], axis=0))  # the lookup's share
+    want = e - lr * grad
+    after = numpy(emb.embeddings)
+    assert np.array_equal(after[: VOCAB - NEW], table[: VOCAB - NEW])  # frozen rows: bit for bit
+    np.testing.assert_allclose(after[VOCAB - NEW :], want[VOCAB - NEW :], rtol=0, atol=2e-6)
+    assert not np.allclose(after[VOCAB - NEW :], table[VOCAB - NEW :], rtol=0, atol=1e-4)  # they moved
+
+
 def test_negative_ids_count_from_the_end_as_keras_take_does():
     """``-1`` is the last row for Keras' lookup: the same output, and the last row trains, on every path."""
     ids = IDS.copy()
