@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 
+from finefreeze._cli import parser
 from finefreeze._cli.inputs import (
     check_model_file,
     load_model,
@@ -216,121 +217,17 @@ def cmd_delta_apply(args) -> int:
     return 0
 
 
-_MODEL_HELP = "a .keras model (default: the bundled text model)"
-_PRESET_HELP = (
-    "a .keras model, or a KerasHub preset folder (save_to_preset, or a Hugging Face checkpoint folder "
-    "KerasHub converts); default: the bundled text model"
-)
-_PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
-
-
-def _command(sub, name: str, fn, help: str, description: str) -> argparse.ArgumentParser:
-    """One subcommand: its parser, help line, description and handler."""
-    p = sub.add_parser(name, help=help, description=description)
-    p.set_defaults(fn=fn)
-    return p
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of every command."""
-    p = argparse.ArgumentParser(prog="finefreeze", description="Freeze any part of a Keras model, exactly.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    ft = _command(
-        sub,
-        "finetune",
-        cmd_finetune,
-        "fine-tune a model under a plan (bundled example by default)",
-        "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
-        "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to --out. "
-        "MODEL may be a KerasHub preset folder with text data (--data texts.csv). "
-        "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
-        "plan that trains only the new embedding rows and the head.",
+    """The argument parser of every command (:mod:`finefreeze._cli.parser`), bound to the handlers here."""
+    return parser.build_parser(
+        {
+            "finetune": cmd_finetune,
+            "inspect": cmd_inspect,
+            "verify": cmd_verify,
+            "delta export": cmd_delta_export,
+            "delta apply": cmd_delta_apply,
+        }
     )
-    ft.add_argument("model", nargs="?", help=_PRESET_HELP)
-    ft.add_argument(
-        "--data",
-        help="required with MODEL: .npz with x, y (optional x_val, y_val) for a .keras model; "
-        ".csv (columns text,label) or .jsonl for a preset, whose model is then a text classifier",
-    )
-    ft.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
-    ft.add_argument("--optimizer", default="adamw", help="a Keras optimizer name (default: adamw)")
-    ft.add_argument("--lr", type=float, default=5e-3, help="learning rate (default: 5e-3)")
-    ft.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
-    ft.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
-    ft.add_argument("--sequence-length", type=int, default=128, help="with a preset: tokens per text (default: 128)")
-    ft.add_argument(
-        "--strategy",
-        default="auto",
-        choices=["auto", "restore", "compact", "mask"],
-        help="how partially frozen variables are enforced (default: auto)",
-    )
-    ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
-    ft.add_argument("--force", action="store_true", help="replace the files of a previous run in --out")
-    ft.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the interrupted run in --out from its last finished epoch (same command line otherwise)",
-    )
-    ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
-    ft.add_argument(
-        "--select",
-        choices=["fisher", "gradient", "magnitude", "delta", "random"],
-        help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
-    )
-    ft.add_argument(
-        "--budget", default=None, help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
-    )
-
-    ins = _command(
-        sub,
-        "inspect",
-        cmd_inspect,
-        "show what a plan freezes, without training",
-        "Print the freeze summary of MODEL under PLAN (bundled example by default).",
-    )
-    ins.add_argument("model", nargs="?", help=_PRESET_HELP)
-    ins.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
-    ins.add_argument("--json", action="store_true", help="print the report as JSON")
-    ins.add_argument("--layers-only", action="store_true", help="one row per layer")
-
-    ver = _command(
-        sub,
-        "verify",
-        cmd_verify,
-        "check that a fine-tune left every frozen element bit-identical",
-        "Exit 0 when every element PLAN freezes is bit-identical in BASE and TUNED, 1 otherwise.",
-    )
-    ver.add_argument("base", help="the .keras model or KerasHub preset folder fine-tuning started from")
-    ver.add_argument("tuned", help="the fine-tuned .keras model")
-    ver.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
-
-    dl = sub.add_parser("delta", help="export or apply a delta file", description="Delta files (safetensors).")
-    dsub = dl.add_subparsers(dest="delta_command", required=True, metavar="ACTION")
-    ex = _command(
-        dsub,
-        "export",
-        cmd_delta_export,
-        "write what TUNED trained to a delta file",
-        "Write the trainable elements of TUNED under PLAN to a .safetensors delta.",
-    )
-    ex.add_argument("tuned", help="the fine-tuned .keras model")
-    ex.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
-    ex.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
-    ex.add_argument("--force", action="store_true", help="replace an existing output file")
-    ap = _command(
-        dsub,
-        "apply",
-        cmd_delta_apply,
-        "apply delta files to their base model",
-        "Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result. Several deltas "
-        "trained on disjoint elements of BASE combine (as merge_deltas); overlapping ones are refused.",
-    )
-    ap.add_argument("base", help="the .keras base model, or the KerasHub preset folder fine-tuning started from")
-    ap.add_argument("delta", nargs="+", help="one or more .safetensors deltas of BASE")
-    ap.add_argument("-o", "--output", required=True, help="the .keras file to write")
-    ap.add_argument("--force", action="store_true", help="replace an existing output file")
-    return p
 
 
 def _os_error(e: OSError) -> str:

@@ -241,8 +241,7 @@ def _terminal() -> bool:
 
 
 def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, strategy, verbose, print_fn):
-    import keras
-
+    """Build, train, verify and write one run into ``stage``; its :class:`Result`."""
     import finefreeze as ff
 
     model_path, data, sequence_length = inputs
@@ -251,21 +250,34 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     model, (x, y), val = training_inputs(model_path, data, sequence_length=sequence_length)
     set_seed(0)  # dropout and friends: the same command trains the same model
     frz = ff.Freezer(model, the_plan, strategy=strategy)
-    out = stage.out
     files = {}
     if model_path is None:
         model.save(stage.path("base.keras"))
-        files["base"] = os.path.join(out, "base.keras")
+        files["base"] = os.path.join(stage.out, "base.keras")
     loss, metrics = loss_for(model, y)
     model.compile(optimizer=frz.wrap(opt), loss=loss, metrics=metrics)
     print_fn(frz.summary(variables=False))  # after wrap: its state column names the optimizer
     name = metrics[0] if metrics else "loss"
     before = _metric(model, val, batch_size, name)
-    board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
     first_epoch = done_epochs(point)
+    hist = _train(stage, point, model, frz, (x, y), val, epochs, batch_size, first_epoch, verbose)
+    files["tensorboard"] = os.path.join(stage.out, "tensorboard")
+    metric = {"name": f"val_{name}", "before": before, "after": _metric(model, val, batch_size, name)}
+    history = {k: [float(v) for v in vs] for k, vs in hist.history.items()}
+    settings = {"optimizer": optimizer, "lr": lr, "epochs": epochs, "batch_size": batch_size}
+    return _write(stage, model, frz, model_path, files, metric, history, settings, first_epoch, print_fn)
+
+
+def _train(stage, point, model, frz, train, val, epochs, batch_size, first_epoch, verbose):
+    """``fit`` from ``first_epoch`` with the resume point, the FreezeBoard and the interrupt check; its history."""
+    import keras
+
+    import finefreeze as ff
+
+    board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
     try:
-        hist = plain(model, "fit")(
-            shuffled(x, y, batch_size, first_epoch),
+        return plain(model, "fit")(
+            shuffled(*train, batch_size, first_epoch),
             validation_data=val,
             epochs=epochs,
             shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
@@ -279,9 +291,13 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
         )
     finally:
         board.on_train_end()  # closes the event file even when fit is interrupted (idempotent)
-    files["tensorboard"] = os.path.join(out, "tensorboard")
-    after = _metric(model, val, batch_size, name)
-    metric = {"name": f"val_{name}", "before": before, "after": after}
+
+
+def _write(stage, model, frz, model_path, files, metric, history, settings, first_epoch, print_fn) -> Result:
+    """Verify, then write the tuned model, the delta, the picture and the report; commit the stage."""
+    import finefreeze as ff
+
+    out = stage.out
     try:
         frz.verify()
         verified, violations = True, []
@@ -303,17 +319,16 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     except ImportError as e:
         print_fn(f"(picture skipped: {e})")
     rep = frz.report()
-    t = rep["totals"]
     files["report"] = os.path.join(out, "report.json")
     result = Result(
         out=out,
-        trainable_elements=t["trainable_elements"],
-        frozen_elements=t["frozen_elements"],
+        trainable_elements=rep["totals"]["trainable_elements"],
+        frozen_elements=rep["totals"]["frozen_elements"],
         verified=verified,
         delta_bytes=delta["bytes"],
         weights_bytes=weights,
         files=files,
-        history={k: [float(v) for v in vs] for k, vs in hist.history.items()},
+        history=history,
         metric=metric,
         base=base["path"],
     )
@@ -324,11 +339,8 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
         "delta_bytes": delta["bytes"],
         "weights_bytes": weights,
         "files": files,
-        "history": result.history,
-        "optimizer": optimizer,
-        "lr": lr,
-        "epochs": epochs,
-        "batch_size": batch_size,
+        "history": history,
+        **settings,
         "resumed_after_epoch": first_epoch,  # history holds the epochs this run trained
         "labels": getattr(model, "_finefreeze_labels", None),  # a preset's classes: output k is labels[k]
         "base": base,  # what fine-tuning started from: `finefreeze verify BASE tuned.keras` checks against it

@@ -43,23 +43,10 @@ def _rows(rep):
     return rows
 
 
-def plot(frz, path: str | os.PathLike, *, title: str | None = None, dpi: int = 120) -> str:
-    """Draw ``frz``'s plan to an image file; return the path."""
-    plt = _pyplot()
+def _bars(ax, rows, orange, blue) -> None:
+    """One bar per row: its trained share in orange, its frozen share in blue, with counts."""
     from matplotlib.patches import Patch
-    from matplotlib.ticker import MaxNLocator
 
-    rep = frz.report()
-    rows = _rows(rep)
-    partial = [s for s in frz.resolution.states if s.state == "partial"][:_MAX_MASKS]
-    blue = tuple(c / 255 for c in FROZEN_RGB)
-    orange = tuple(c / 255 for c in TRAINED_RGB)
-
-    height = max(3.0, 0.28 * len(rows) + 1.6)
-    ncols = 2 if partial else 1
-    fig = plt.figure(figsize=(13 if partial else 9, height), dpi=dpi)
-    grid = fig.add_gridspec(max(1, len(partial)), ncols, width_ratios=[1.5, 1] if partial else [1])
-    ax = fig.add_subplot(grid[:, 0])
     names = [r[0] for r in rows]
     total = np.array([max(1, r[1] + r[2]) for r in rows], dtype=float)
     trained = np.array([r[1] for r in rows], dtype=float) / total
@@ -81,6 +68,40 @@ def plot(frz, path: str | os.PathLike, *, title: str | None = None, dpi: int = 1
         fontsize=8,
         frameon=False,
     )
+
+
+def _mask(mx, s) -> None:
+    """The frozen mask of a partially frozen variable as an image (a matrix view of it)."""
+    from matplotlib.ticker import MaxNLocator
+
+    matrix = as_matrix(s.frozen_mask())
+    img = frozen_fraction_image(matrix, max_side=400)
+    h, w = matrix.shape
+    mx.imshow(to_rgb(img), aspect="auto", interpolation="nearest", extent=(-0.5, w - 0.5, h - 0.5, -0.5))
+    mx.set_xlabel("column", fontsize=7)
+    mx.set_ylabel("row", fontsize=7)
+    shape = "x".join(str(d) for d in s.info.shape)
+    view = "" if len(s.info.shape) == 2 else " (reshaped)"
+    mx.set_title(f"{s.path} [{shape}]{view}: {s.n_trainable:,} trained", fontsize=8)
+    mx.tick_params(labelsize=7)
+    mx.xaxis.set_major_locator(MaxNLocator(integer=True))
+    mx.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plot(frz, path: str | os.PathLike, *, title: str | None = None, dpi: int = 120) -> str:
+    """Draw ``frz``'s plan to an image file; return the path."""
+    plt = _pyplot()
+    rep = frz.report()
+    rows = _rows(rep)
+    partial = [s for s in frz.resolution.states if s.state == "partial"][:_MAX_MASKS]
+    blue = tuple(c / 255 for c in FROZEN_RGB)
+    orange = tuple(c / 255 for c in TRAINED_RGB)
+
+    height = max(3.0, 0.28 * len(rows) + 1.6)
+    ncols = 2 if partial else 1
+    fig = plt.figure(figsize=(13 if partial else 9, height), dpi=dpi)
+    grid = fig.add_gridspec(max(1, len(partial)), ncols, width_ratios=[1.5, 1] if partial else [1])
+    _bars(fig.add_subplot(grid[:, 0]), rows, orange, blue)
     t = rep["totals"]
     keras_trains = max(1, t["elements"] - t["untrained_elements"])
     fig.suptitle(
@@ -90,19 +111,7 @@ def plot(frz, path: str | os.PathLike, *, title: str | None = None, dpi: int = 1
         fontsize=11,
     )
     for i, s in enumerate(partial):
-        mx = fig.add_subplot(grid[i, 1])
-        matrix = as_matrix(s.frozen_mask())
-        img = frozen_fraction_image(matrix, max_side=400)
-        h, w = matrix.shape
-        mx.imshow(to_rgb(img), aspect="auto", interpolation="nearest", extent=(-0.5, w - 0.5, h - 0.5, -0.5))
-        mx.set_xlabel("column", fontsize=7)
-        mx.set_ylabel("row", fontsize=7)
-        shape = "x".join(str(d) for d in s.info.shape)
-        view = "" if len(s.info.shape) == 2 else " (reshaped)"
-        mx.set_title(f"{s.path} [{shape}]{view}: {s.n_trainable:,} trained", fontsize=8)
-        mx.tick_params(labelsize=7)
-        mx.xaxis.set_major_locator(MaxNLocator(integer=True))
-        mx.yaxis.set_major_locator(MaxNLocator(integer=True))
+        _mask(fig.add_subplot(grid[i, 1]), s)
     fig.tight_layout()
     path = os.fspath(path)
     fig.savefig(path)

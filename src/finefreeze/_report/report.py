@@ -38,59 +38,68 @@ def _gradient(s) -> str:
 
 
 def build_report(frz, words: dict = KERAS_WORDS) -> dict:
+    """The report of ``frz``: one row per variable and per layer, totals, rules, history, groups."""
     res = frz.resolution
     plan = res.plan
-    variables = []
     state_label, slots = optimizer_state(frz)
-    for s in res.states:
-        size = s.info.size
-        strategy = frz.strategy_for(s.path) if s.state == PARTIAL else None
-        if s.state == TRAINABLE:
-            adam = 2 * size
-        elif s.state == PARTIAL:
-            adam = 2 * (s.n_trainable if strategy == "compact" else size)
-        else:
-            adam = 0
-        layer = s.path.rsplit("/", 1)[0] if "/" in s.path else ""
-        variables.append(
-            {
-                "path": s.path,
-                "layer": layer,
-                "shape": list(s.info.shape),
-                "dtype": s.info.dtype,
-                "elements": size,
-                "trainable_elements": s.n_trainable,
-                "frozen_elements": size - s.n_trainable if s.state != UNTRAINED else 0,
-                "state": s.state,
-                "strategy": strategy,
-                "gradient": _gradient(s) if s.state in (PARTIAL, TRAINABLE) else None,
-                "lr_scale": s.lr_scale,
-                "adam_state_elements": adam,
-                "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
-                "decided_by": [{"rule": _decider(plan, i, words), "elements": n} for i, n in s.decided_by],
-            }
-        )
+    variables = [_variable_row(frz, s, plan, slots, words) for s in res.states]
+    rep = {
+        "plan": [repr(r) for r in plan.rules],
+        "optimizer_state": state_label,
+        "batchnorm": batchnorm_line(plan.batchnorm),
+        "lr_scales": _lr_scales(res, plan, words),
+        "strategy": frz.strategy,
+        "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
+        "layers": _layer_rows(variables),
+        "variables": variables,
+        "totals": _totals(variables),
+        "history": frz.history,
+    }
+    rep["groups"] = build_groups(frz, rep)
+    return rep
+
+
+def _variable_row(frz, s, plan, slots, words) -> dict:
+    """One variable's row: its elements by state, strategy, gradient, optimizer state and deciding rules."""
+    size = s.info.size
+    strategy = frz.strategy_for(s.path) if s.state == PARTIAL else None
+    if s.state == TRAINABLE:
+        adam = 2 * size
+    elif s.state == PARTIAL:
+        adam = 2 * (s.n_trainable if strategy == "compact" else size)
+    else:
+        adam = 0
+    return {
+        "path": s.path,
+        "layer": s.path.rsplit("/", 1)[0] if "/" in s.path else "",
+        "shape": list(s.info.shape),
+        "dtype": s.info.dtype,
+        "elements": size,
+        "trainable_elements": s.n_trainable,
+        "frozen_elements": size - s.n_trainable if s.state != UNTRAINED else 0,
+        "state": s.state,
+        "strategy": strategy,
+        "gradient": _gradient(s) if s.state in (PARTIAL, TRAINABLE) else None,
+        "lr_scale": s.lr_scale,
+        "adam_state_elements": adam,
+        "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
+        "decided_by": [{"rule": _decider(plan, i, words), "elements": n} for i, n in s.decided_by],
+    }
+
+
+_SUMMED = ("elements", "trainable_elements", "frozen_elements", "adam_state_elements", "optimizer_state_elements")
+
+
+def _layer_rows(variables: list[dict]) -> list[dict]:
+    """One row per layer: its variables' elements summed, and the layer's state."""
     layers: dict[str, dict] = {}
     for v in variables:
         row = layers.setdefault(
-            v["layer"],
-            {
-                "layer": v["layer"],
-                "elements": 0,
-                "trainable_elements": 0,
-                "frozen_elements": 0,
-                "untrained_elements": 0,
-                "adam_state_elements": 0,
-                "optimizer_state_elements": 0,
-                "variables": [],
-            },
+            v["layer"], {"layer": v["layer"], **dict.fromkeys(_SUMMED, 0), "untrained_elements": 0, "variables": []}
         )
-        row["elements"] += v["elements"]
-        row["trainable_elements"] += v["trainable_elements"]
-        row["frozen_elements"] += v["frozen_elements"]
+        for key in _SUMMED:
+            row[key] += v[key]
         row["untrained_elements"] += v["elements"] if v["state"] == UNTRAINED else 0
-        row["adam_state_elements"] += v["adam_state_elements"]
-        row["optimizer_state_elements"] += v["optimizer_state_elements"]
         row["variables"].append(v["path"])
     for row in layers.values():
         trainable = row["elements"] - row["untrained_elements"]
@@ -100,7 +109,14 @@ def build_report(frz, words: dict = KERAS_WORDS) -> dict:
             row["state"] = TRAINABLE
         else:
             row["state"] = PARTIAL
-    totals = {
+    return [
+        {k: row[k] for k in ("layer", *_SUMMED[:3], "untrained_elements", *_SUMMED[3:], "variables", "state")}
+        for row in layers.values()
+    ]
+
+
+def _totals(variables: list[dict]) -> dict:
+    return {
         "variables": len(variables),
         "elements": sum(v["elements"] for v in variables),
         "trainable_elements": sum(v["trainable_elements"] for v in variables),
@@ -110,29 +126,19 @@ def build_report(frz, words: dict = KERAS_WORDS) -> dict:
         "optimizer_state_elements": sum(v["optimizer_state_elements"] for v in variables),
         "by_state": {k: sum(1 for v in variables if v["state"] == k) for k in (TRAINABLE, PARTIAL, FROZEN, UNTRAINED)},
     }
+
+
+def _lr_scales(res, plan, words) -> list[dict]:
+    """The rules that scale the learning rate, with how many elements each decides."""
     decided: dict[int, int] = {}
     for st in res.states:
         for i, n in st.decided_by:
             decided[i] = decided.get(i, 0) + n
-    lr_scales = [
+    return [
         {"rule": _decider(plan, i, words), "lr_scale": r.lr_scale, "elements": decided.get(i, 0)}
         for i, r in enumerate(plan.rules)
         if not r.freezes and r.lr_scale is not None and r.lr_scale != 1.0
     ]
-    rep = {
-        "plan": [repr(r) for r in plan.rules],
-        "optimizer_state": state_label,
-        "batchnorm": batchnorm_line(plan.batchnorm),
-        "lr_scales": lr_scales,
-        "strategy": frz.strategy,
-        "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
-        "layers": list(layers.values()),
-        "variables": variables,
-        "totals": totals,
-        "history": frz.history,
-    }
-    rep["groups"] = build_groups(frz, rep)
-    return rep
 
 
 def _fmt_state(v) -> str:
@@ -190,9 +196,36 @@ _LEGEND_RULES = 20  # rules listed above the table; the rest are counted
 
 
 def format_summary(rep: dict, *, variables: bool = True, words: dict = KERAS_WORDS) -> str:
-    by_path = {v["path"]: v for v in rep["variables"]}
+    """The summary table of a report: the plan, one row per layer (and variable), totals, plan changes."""
     label = rep.get("optimizer_state", "Adam state")
     head = ("Layer / variable", "Shape", "Elements", "Trainable", "Frozen", "State", label, "Decided by")
+    rows = _summary_rows(rep, variables)
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    widths[1] = min(widths[1], _SHAPE_WIDTH)
+    widths[-1] = min(widths[-1], max(_DECIDED_MIN, WIDTH - sum(widths[:-1]) - 2 * (len(widths) - 1)))
+
+    def line(r):
+        cells = [_shorten(str(c), widths[i]) for i, c in enumerate(r)]
+        return "  ".join(
+            c.ljust(w) if i in (0, 1, 5, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    rule = "─" * min(WIDTH, sum(widths) + 2 * (len(widths) - 1))
+    out = ["Freeze plan:" + ("" if rep["plan"] else " no rules (every variable as Keras trains it)")]
+    out += [_shorten(f"  {i + 1}: {r}", WIDTH) for i, r in enumerate(rep["plan"][:_LEGEND_RULES])]
+    if len(rep["plan"]) > _LEGEND_RULES:
+        out.append(f"  … and {len(rep['plan']) - _LEGEND_RULES} more rules (all in report()['plan'])")
+    out += [rule, line(head), rule]
+    if rep.get("batchnorm"):
+        out.insert(1, rep["batchnorm"])
+    out += [line(r) for r in rows]
+    out.append(rule)
+    return "\n".join(out + _summary_footer(rep, label, words))
+
+
+def _summary_rows(rep: dict, variables: bool) -> list[tuple]:
+    """The table's rows: each layer, then (``variables``) each of its variables."""
+    by_path = {v["path"]: v for v in rep["variables"]}
     rows = []
     for layer in rep["layers"]:
         own = [by_path[p] for p in layer["variables"]]
@@ -209,50 +242,33 @@ def format_summary(rep: dict, *, variables: bool = True, words: dict = KERAS_WOR
                 _rule_numbers(d for v in own for d in v["decided_by"]),
             )
         )
-        if variables:
-            for v in own:
-                name = "  " + _shorten(v["path"].rsplit("/", 1)[-1], _NAME_WIDTH - 2, middle=True)
-                tag = ", ".join(t for t in (v["strategy"], v["gradient"] if v["gradient"] in _OWN else None) if t)
-                state = _fmt_state(v) + (f" [{tag}]" if tag else "")
-                deciders = _rule_numbers(v["decided_by"])
-                rows.append(
-                    (
-                        name,
-                        str(tuple(v["shape"])),
-                        f"{v['elements']:,}",
-                        f"{v['trainable_elements']:,}",
-                        f"{v['frozen_elements']:,}",
-                        state,
-                        f"{v['optimizer_state_elements']:,}",
-                        deciders,
-                    )
+        for v in own if variables else ():
+            tag = ", ".join(t for t in (v["strategy"], v["gradient"] if v["gradient"] in _OWN else None) if t)
+            rows.append(
+                (
+                    "  " + _shorten(v["path"].rsplit("/", 1)[-1], _NAME_WIDTH - 2, middle=True),
+                    str(tuple(v["shape"])),
+                    f"{v['elements']:,}",
+                    f"{v['trainable_elements']:,}",
+                    f"{v['frozen_elements']:,}",
+                    _fmt_state(v) + (f" [{tag}]" if tag else ""),
+                    f"{v['optimizer_state_elements']:,}",
+                    _rule_numbers(v["decided_by"]),
                 )
-    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-    widths[1] = min(widths[1], _SHAPE_WIDTH)
-    widths[-1] = min(widths[-1], max(_DECIDED_MIN, WIDTH - sum(widths[:-1]) - 2 * (len(widths) - 1)))
+            )
+    return rows
 
-    def line(r):
-        cells = [_shorten(str(c), widths[i]) for i, c in enumerate(r)]
-        return "  ".join(
-            c.ljust(w) if i in (0, 1, 5, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
 
-    rule = "─" * min(WIDTH, sum(widths) + 2 * (len(widths) - 1))
+def _summary_footer(rep: dict, label: str, words: dict) -> list[str]:
+    """The lines under the table: totals, layers frozen whole, learning-rate scales, plan changes."""
     t = rep["totals"]
-    out = ["Freeze plan:" + ("" if rep["plan"] else " no rules (every variable as Keras trains it)")]
-    out += [_shorten(f"  {i + 1}: {r}", WIDTH) for i, r in enumerate(rep["plan"][:_LEGEND_RULES])]
-    if len(rep["plan"]) > _LEGEND_RULES:
-        out.append(f"  … and {len(rep['plan']) - _LEGEND_RULES} more rules (all in report()['plan'])")
-    out += [rule, line(head), rule]
-    if rep.get("batchnorm"):
-        out.insert(1, rep["batchnorm"])
-    out += [line(r) for r in rows]
-    out.append(rule)
     pct = 100.0 * t["trainable_elements"] / max(1, t["elements"] - t["untrained_elements"])
-    out.append(f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% {words['share']})")
-    out.append(f"Frozen elements:    {t['frozen_elements']:,}")
-    out.append(f"{words['untrained']}: {t['untrained_elements']:,}")
-    out.append(f"Optimizer {label}: {t['optimizer_state_elements']:,} elements")
+    out = [
+        f"Trainable elements: {t['trainable_elements']:,} ({pct:.2f}% {words['share']})",
+        f"Frozen elements:    {t['frozen_elements']:,}",
+        f"{words['untrained']}: {t['untrained_elements']:,}",
+        f"Optimizer {label}: {t['optimizer_state_elements']:,} elements",
+    ]
     if rep["frozen_layers"]:
         names = rep["frozen_layers"]
         text = f"Frozen as layers (inference mode): {', '.join(names)}"
@@ -276,4 +292,4 @@ def format_summary(rep: dict, *, variables: bool = True, words: dict = KERAS_WOR
                     WIDTH,
                 )
             )
-    return "\n".join(out)
+    return out

@@ -218,6 +218,41 @@ def select(
         >>> frz.report()["totals"]["trainable_elements"]  # 5 chosen + the head's 8
         13
     """
+    batch_size, microbatch, batches, epochs = _check_arguments(
+        score, data, batch_size, microbatch, batches, epochs, structure, per_example
+    )
+    cand, allowed = _candidates(model, include, exclude)
+    k = _budget(budget, int(sum(np.count_nonzero(m) for m in allowed)))
+    if microbatch == "auto":
+        microbatch = auto_microbatch(sum(vi.size for vi in cand))
+    if score in DATA_SCORES:
+        run = dict(score=score, loss=loss, batch_size=batch_size, limit=batches, microbatch=microbatch)
+        run.update(per_example=per_example, epochs=epochs, optimizer=optimizer, verbose=verbose)
+        scores = _data_scores(model, cand, data, run)
+    else:
+        rng = np.random.default_rng(seed)
+        scores = [static_score(score, np.asarray(vi.variable.numpy()), largest=largest, rng=rng) for vi in cand]
+    for vi, s in zip(cand, scores):
+        if np.isnan(s).any():
+            raise PlanError(
+                f"select: the {score} score of {vi.path} (shape {vi.shape}) has NaN; check the data and the loss."
+            )
+    chosen = _choose(
+        scores, allowed, [slice_axis(structure, vi.shape, vi.owner) for vi in cand], k, structure, per_variable
+    )
+    rules = [freeze("**")]
+    if include is not None:
+        rules += [train(s) for s in (include if isinstance(include, (list, tuple)) else [include])]
+    for vi, c in zip(cand, chosen):
+        if c.all():
+            rules.append(train(rule_selector(vi.path)))
+        elif c.any():
+            rules.append(train(rule_selector(vi.path), mask=c))
+    return Plan(rules)
+
+
+def _check_arguments(score, data, batch_size, microbatch, batches, epochs, structure, per_example):
+    """``select``'s arguments checked (:class:`PlanError`), counts as Python ints (NumPy integers too)."""
     if score not in SCORES:
         raise PlanError(f"select: unknown score {score!r}; choose one of {', '.join(SCORES)}.")
     for name, v in (("batch_size", batch_size), ("microbatch", microbatch), ("epochs", epochs)):
@@ -228,9 +263,6 @@ def select(
             raise PlanError(f"select: {name} must be an int >= 1{also}; got {v!r}.")
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, numbers.Integral) or batches < 1):
         raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
-    batch_size, epochs = int(batch_size), int(epochs)  # NumPy integers too
-    microbatch = microbatch if isinstance(microbatch, str) else int(microbatch)
-    batches = None if batches is None else int(batches)
     if structure not in STRUCTURES:
         raise PlanError(f"select: structure={structure!r}; choose one of {', '.join(map(repr, STRUCTURES))}.")
     if per_example not in ("auto", "vectorized", "loop"):
@@ -242,6 +274,13 @@ def select(
             f"select: score={score!r} needs data; pass data=(x, y), a tf.data.Dataset or an iterable of "
             "batches, or use score='magnitude' or 'random'."
         )
+    microbatch = microbatch if isinstance(microbatch, str) else int(microbatch)
+    return int(batch_size), microbatch, None if batches is None else int(batches), int(epochs)
+
+
+def _candidates(model, include, exclude) -> tuple[list, list[np.ndarray]]:
+    """The variables with elements to choose from, and those elements (bool arrays): Keras trains them,
+    ``include`` and ``exclude`` do not name them."""
     target = collect(model)
     inc = _selected(include, target, "include")
     exc = _selected(exclude, target, "exclude")
@@ -256,69 +295,34 @@ def select(
         if m.any():
             cand.append(vi)
             allowed.append(m)
-    n = int(sum(np.count_nonzero(m) for m in allowed))
-    if n == 0:
+    if not cand:
         raise PlanError("select: no element is left to choose from after include= and exclude=.")
-    k = _budget(budget, n)
-    if microbatch == "auto":
-        microbatch = auto_microbatch(sum(vi.size for vi in cand))
-    if score in DATA_SCORES:
-        try:
-            scores = stream_scores(
-                model,
-                [vi.variable for vi in cand],
-                data,
-                score=score,
-                loss=loss,
-                batch_size=batch_size,
-                limit=batches,
-                microbatch=microbatch,
-                per_example=per_example,
-                epochs=epochs,
-                optimizer=optimizer,
-                verbose=verbose,
-            )
-        except PlanError:
-            raise
-        except (ValueError, TypeError) as e:  # data that does not fit the model, as Keras says it
-            text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Keras colours its messages
-            lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-            said = [ln for ln in lines if re.search(r"expected|incompatible|shape", ln)]  # what Keras says is off
-            first = (said or lines or [type(e).__name__])[0][:200]
-            raise PlanError(
-                f"select: the data does not fit the model ({first}); pass (x, y) batches the model takes, as for fit."
-            ) from None
-    else:
-        rng = np.random.default_rng(seed)
-        scores = [static_score(score, np.asarray(vi.variable.numpy()), largest=largest, rng=rng) for vi in cand]
-    for vi, s in zip(cand, scores):
-        if np.isnan(s).any():
-            raise PlanError(
-                f"select: the {score} score of {vi.path} (shape {vi.shape}) has NaN; check the data and the loss."
-            )
-    axes = [slice_axis(structure, vi.shape, vi.owner) for vi in cand]
-    if structure != "elements":
+    return cand, allowed
 
-        def pick(s, m, a, q):
-            return choose_slices(s, m, a, q)
-    else:
 
-        def pick(s, m, a, q):
-            return top_k(s, m, q)
+def _data_scores(model, cand, data, run: dict) -> list[np.ndarray]:
+    """The scores of ``cand`` from ``data`` (:func:`stream_scores`); data the model cannot take is a PlanError."""
+    try:
+        return stream_scores(model, [vi.variable for vi in cand], data, **run)
+    except PlanError:
+        raise
+    except (ValueError, TypeError) as e:  # data that does not fit the model, as Keras says it
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Keras colours its messages
+        lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+        said = [ln for ln in lines if re.search(r"expected|incompatible|shape", ln)]  # what Keras says is off
+        first = (said or lines or [type(e).__name__])[0][:200]
+        raise PlanError(
+            f"select: the data does not fit the model ({first}); pass (x, y) batches the model takes, as for fit."
+        ) from None
 
-    if per_variable:
-        quotas = split_budget(k, [int(np.count_nonzero(m)) for m in allowed])
-        chosen = [
-            pick([s], [m], [a], q)[0] if q else np.zeros_like(m) for s, m, a, q in zip(scores, allowed, axes, quotas)
-        ]
-    else:
-        chosen = pick(scores, allowed, axes, k)
-    rules = [freeze("**")]
-    if include is not None:
-        rules += [train(s) for s in (include if isinstance(include, (list, tuple)) else [include])]
-    for vi, c in zip(cand, chosen):
-        if c.all():
-            rules.append(train(rule_selector(vi.path)))
-        elif c.any():
-            rules.append(train(rule_selector(vi.path), mask=c))
-    return Plan(rules)
+
+def _choose(scores, allowed, axes, k: int, structure: str, per_variable: bool) -> list[np.ndarray]:
+    """The chosen elements of each candidate: the ``k`` best elements or slices, overall or per variable."""
+
+    def pick(s, m, a, q):
+        return choose_slices(s, m, a, q) if structure != "elements" else top_k(s, m, q)
+
+    if not per_variable:
+        return pick(scores, allowed, axes, k)
+    quotas = split_budget(k, [int(np.count_nonzero(m)) for m in allowed])
+    return [pick([s], [m], [a], q)[0] if q else np.zeros_like(m) for s, m, a, q in zip(scores, allowed, axes, quotas)]
