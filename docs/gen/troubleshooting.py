@@ -69,6 +69,30 @@ CASES = [
         "Return a comparison: `where=lambda w: w == 0`.",
     ),
     (
+        "A where= function that returns another shape",
+        'ff.Freezer(m, ff.Plan([ff.freeze("**/encoder/kernel", where=lambda w: w[0] > 0)]))',
+        "A predicate returns one bool per element (`lambda w: np.abs(w) > 0.1`); for a pattern that "
+        "repeats along an axis, give it as `mask=`, which broadcasts.",
+    ),
+    (
+        "model.trainable = True after a Freezer",
+        "frz = ff.Freezer(m, ff.Plan([ff.freeze('**/encoder/**')]))\n"
+        "m.get_layer('encoder').kernel.trainable = True  # what model.trainable = True does on JAX and PyTorch\n"
+        "m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss='mse')",
+        "The plan decides what trains; Keras' flag cannot override it. To train the layer, change the "
+        "plan: `frz.update(frz.plan.train('**/encoder/**'))`.",
+    ),
+    (
+        "A delta of another base in a DeltaSwitch",
+        "frz = ff.Freezer(m, ff.Plan([ff.freeze('**'), ff.train('**/head/**')]))\n"
+        "frz.save_delta('head.safetensors')\n"
+        "other = model()\n"
+        "other.get_layer('encoder').kernel.assign(np.zeros((5, 8), 'float32'))\n"
+        "ff.DeltaSwitch(other, {'head': 'head.safetensors'})",
+        "A delta applies to the base it was trained from, bit for bit: load that base (its frozen part "
+        "is checked by fingerprint). Nothing in the model was written.",
+    ),
+    (
         "Bad index syntax",
         'ff.freeze("**/encoder/kernel[0:")',
         "The caret points at the column; indices follow numpy: ints, slices, `...`, lists.",
