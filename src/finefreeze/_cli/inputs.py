@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import zipfile
 
 import numpy as np
@@ -74,7 +75,9 @@ def load_model(path: str | None, *, preset: bool = False):
 
     register_now()  # finefreeze's own classes (the optimizer, the bundled layers)
     try:
-        return keras.models.load_model(path, compile=False)
+        with warnings.catch_warnings():  # a KerasHub task compiles itself when built: Keras then says it skips
+            warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")  # the saved one
+            return keras.models.load_model(path, compile=False)
     except Exception as e:
         raise UserError(f"cannot load model {path!r}: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
 
