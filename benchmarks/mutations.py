@@ -103,7 +103,7 @@ MUTATIONS = [
     (
         "compact: weight-decay exclusions not mapped to the flat vector",
         "_enforce/enforcer.py",
-        "o._exclude_from_weight_decay_cache[o._var_key(e.shadow)] = o._use_weight_decay(seen(e.variable))",
+        "decay_as(o, as_optimizers_see(e.shadow), as_optimizers_see(e.variable))",
         "pass",
         "tests/test_seams.py -k decays_exactly",
     ),
@@ -172,9 +172,9 @@ MUTATIONS = [
     ),
     (
         "step counts: not restored from a checkpoint",
-        "_optimizer/checkpoint.py",
-        "            ages.write(opt, e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))",
-        "            pass",
+        "_optimizer/enforcement.py",
+        "                ages.write(self, e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))",
+        "                pass",
         "tests/test_fresh_state.py -k checkpoint",
     ),
     (

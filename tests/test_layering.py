@@ -20,7 +20,7 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "finefreeze"
 
 #: rooms from the bottom up; a room may import the rooms before it (its row too)
 LAYERS = [
-    {"_errors", "_version", "_kinds", "_keras_hook", "layers"},  # the foundation
+    {"_errors", "_version", "_kinds", "_keras_hook", "_keras", "layers"},  # the foundation
     {"_backends"},
     {"_plan"},
     {"_resolve"},
@@ -41,10 +41,6 @@ LOCAL_IMPORTS = {
     # imports TensorFlow's tf.compat.v1 pieces: only once a graph target is seen
     ("finefreeze._freezer.freezer", "finefreeze._freezer.graph"),
     ("finefreeze._freezer.freezer", "finefreeze._tf1.target"),
-    # one module per backend: only the framework in force is imported
-    ("finefreeze._backends.gradients", "finefreeze._backends.tensorflow"),
-    ("finefreeze._backends.gradients", "finefreeze._backends.jax"),
-    ("finefreeze._backends.gradients", "finefreeze._backends.torch"),
     # the lazy public namespace: ``import finefreeze`` imports no Keras
     ("finefreeze.__init__", "finefreeze._keras_hook"),
 }
@@ -212,15 +208,163 @@ def test_at_most_three_commented_reach_ins_into_another_rooms_private_names():
     assert len(found) <= 3, found
 
 
-def test_no_module_is_longer_than_450_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 450}
+def test_no_module_is_longer_than_400_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def _body_lines(fn) -> int:
+    """Lines of a function's body, its signature and docstring left out."""
+    body = fn.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0].value, "value", None), str):
+        body = body[1:]
+    return fn.end_lineno - body[0].lineno + 1
+
+
+def test_no_function_is_longer_than_60_lines():
+    long = {
+        f"{m}.{node.name}": _body_lines(node)
+        for m, p in MODULES.items()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _body_lines(node) > 60
+    }
+    assert long == {}
+
+
+#: the one room that may touch Keras' private names, import ``keras.src`` and set attributes on Keras' objects
+SEAM = "_keras"
+#: private names of the standard library finefreeze uses (not Keras')
+NOT_KERAS = {"_exit", "_initializing"}
+#: what asks which Keras backend runs: only ``_backends`` may
+BACKEND_QUESTIONS = {"keras_backend", "keras_is_tensorflow", "keras_is_jax", "jax_has_int64", "tensorflow"}
+
+
+def _all_own_private_names() -> set[str]:
+    names = set().union(*_own_private_names().values())
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign):
+                names.update(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.startswith("_"))
+            elif (
+                isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_finefreeze")
+            ):
+                names.add(node.value)
+    return names
+
+
+def _private(name) -> bool:
+    return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+
+def _outside_the_seam():
+    for module, path in MODULES.items():
+        if module == "finefreeze" or _room(module) != SEAM:
+            yield module, path, ast.parse(path.read_text())
+
+
+def _keras_private_uses() -> list[str]:
+    """Keras' private names, ``keras.src`` imports and attribute writes past Keras, outside the seam."""
+    ours, found = _all_own_private_names(), []
+    for module, _, tree in _outside_the_seam():
+        for node in ast.walk(tree):
+            where = f"{module}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in ours | NOT_KERAS:
+                found.append(f"{where} uses {node.attr}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras.src"):
+                found.append(f"{where} imports {node.module}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("keras.src") for a in node.names):
+                found.append(f"{where} imports keras.src")
+            elif isinstance(node, ast.Call):
+                fn = node.func
+                name = getattr(fn, "attr", None) or getattr(fn, "id", None)
+                first = node.args[0] if node.args else None
+                if name in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
+                    key = node.args[1]
+                    if isinstance(key, ast.Constant) and _private(key.value) and key.value not in ours:
+                        found.append(f"{where} {name} {key.value}")
+                on_object = isinstance(fn, ast.Attribute) and getattr(fn.value, "id", None) == "object"
+                if name == "__setattr__" and on_object and not (isinstance(first, ast.Name) and first.id == "self"):
+                    found.append(f"{where} object.__setattr__ on another object")
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                base = node.value
+                if (isinstance(base, ast.Attribute) and base.attr == "__dict__") or (
+                    isinstance(base, ast.Call) and getattr(base.func, "id", None) == "vars"
+                ):
+                    found.append(f"{where} writes an instance's __dict__")
+    return found
+
+
+def test_keras_private_names_and_instance_patches_only_in_the_seam():
+    assert _keras_private_uses() == []
+
+
+def test_no_reach_ins_into_another_modules_private_names():
+    own = _own_private_names()
+    found = []
+    for module, _, tree in _outside_the_seam():
+        theirs = set().union(*(names for m, names in own.items() if m != module)) - own[module]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in theirs:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    found.append(f"{module}:{node.lineno} uses {node.attr}")
+    assert found == []
+
+
+def test_no_writes_to_another_objects_private_attributes():
+    found = [
+        f"{module}:{node.lineno} sets {node.attr}"
+        for module, _, tree in _outside_the_seam()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, (ast.Store, ast.Del))
+        and _private(node.attr)
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    ]
+    assert found == []
+
+
+def test_backend_questions_only_in_backends():
+    found = []
+    for module, path in MODULES.items():
+        if module == "finefreeze" or _room(module) == "_backends":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                fn = node.func
+                if getattr(fn, "id", None) in BACKEND_QUESTIONS:
+                    found.append(f"{module}:{node.lineno} calls {fn.id}()")
+                if (
+                    isinstance(fn, ast.Attribute)
+                    and fn.attr == "backend"
+                    and getattr(fn.value, "attr", "") == "backend"
+                ):
+                    found.append(f"{module}:{node.lineno} calls keras.backend.backend()")
+    assert found == []
 
 
 def test_the_wrapper_is_thin():
     tree = ast.parse(MODULES["finefreeze._optimizer.wrapper"].read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FreezingOptimizer")
     assert cls.end_lineno - cls.lineno + 1 <= 400
+
+
+def test_the_seam_checks_catch_what_they_guard(monkeypatch, tmp_path):
+    """A Keras private name, a ``keras.src`` import, a patch and a backend question outside their rooms are seen."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import keras.src.utils\n"
+        "def f(opt, layer):\n"
+        "    layer.__dict__['call'] = print\n"
+        "    opt._trainable_variables_indices = {}\n"
+        "    return opt._var_key(layer), keras_backend()\n"
+    )
+    monkeypatch.setitem(MODULES, "finefreeze._plan.bad", bad)
+    uses = " ".join(_keras_private_uses())
+    assert "imports keras.src" in uses and "__dict__" in uses and "_var_key" in uses
+    with pytest.raises(AssertionError):
+        test_no_writes_to_another_objects_private_attributes()
+    with pytest.raises(AssertionError):
+        test_backend_questions_only_in_backends()
 
 
 def test_the_checks_catch_what_they_guard(tmp_path):

@@ -30,15 +30,19 @@ import sys
 from types import ModuleType
 
 __all__ = [
+    "has_int64",
+    "indexes_in_int64_only",
     "is_module",
     "is_variable",
     "jax_has_int64",
     "keras_backend",
     "keras_is_jax",
     "keras_is_tensorflow",
+    "lookups_are_sparse",
     "tensorflow",
     "tensorflow_imported",
     "tensorflow_installed",
+    "trainer_pairs_by_position",
 ]
 
 
@@ -64,6 +68,28 @@ def jax_has_int64() -> bool:
     import jax
 
     return bool(jax.config.jax_enable_x64)
+
+
+def has_int64() -> bool:
+    """Whether the backend computes with 64-bit integers (all but JAX without ``jax_enable_x64``)."""
+    return not keras_is_jax() or jax_has_int64()
+
+
+def lookups_are_sparse(layer) -> bool:
+    """Whether ``layer``'s variable gets a sparse gradient: an ``Embedding`` on TensorFlow (``IndexedSlices``)."""
+    import keras
+
+    return keras_is_tensorflow() and isinstance(layer, keras.layers.Embedding)
+
+
+def indexes_in_int64_only() -> bool:
+    """Whether the backend indexes tensors with int64 indices only (PyTorch's ``index_put_``)."""
+    return keras_backend() == "torch"
+
+
+def trainer_pairs_by_position() -> bool:
+    """Whether Keras' trainer pairs the model's gradients with the optimizer's built-on list by position (JAX)."""
+    return keras_is_jax()
 
 
 def tensorflow() -> ModuleType | None:

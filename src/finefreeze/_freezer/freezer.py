@@ -16,7 +16,7 @@ from finefreeze._errors import FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
 from finefreeze._freezer.base import FreezerBase, as_plan
 from finefreeze._freezer.keras_flags import honour_flags, set_flags, warn_switched_off, warn_switched_on
-from finefreeze._freezer.reload import adopt_checkpoint, rebuild_freezer
+from finefreeze._freezer.reload import checkpoint_plan, held_dense, rebuild_freezer
 from finefreeze._freezer.sliced_calls import set_sliced
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
@@ -183,8 +183,31 @@ class Freezer(FreezerBase):
             sync()
 
     def adopt_checkpoint(self, saved: dict, plan: dict | None, step: int, gradients: dict | None = None) -> None:
-        """Put in force the masks (and kernels held dense) a checkpoint saved (``load_own_variables`` calls this)."""
-        adopt_checkpoint(self, saved, plan, step, gradients)
+        """Put in force the masks (and kernels held dense) a checkpoint saved (``load_own_variables`` calls this).
+
+        Nothing changes when the plan in force already enforces them.
+        """
+        self.checkpoint_loads += 1
+        self._hold(held_dense(self, gradients))
+        new = checkpoint_plan(self, saved, plan)
+        if new is None:
+            return
+        self.rebase()  # the model's weights were loaded just before: they are the baseline now
+        self.update(new)
+        self._history[-1].update(step=step, resumed=True)
+
+    def _in_force_since(self, step: int) -> None:
+        """Date the plan this Freezer started with to ``step`` (a loaded model's: it was in force when saved)."""
+        self._history[0]["step"] = step
+
+    def _hold(self, held: set[str] | None) -> None:
+        """Hold dense the kernels at ``held`` (a saved run's, ``gradients="auto"``); None: as they are."""
+        if held is None or held == self._held:
+            return
+        self._held = held
+        if set_sliced(self._target, self._res, self, self.slicing, self._held):
+            self.follow_standins()
+            self._retrace()
 
     def trainable_variables_for_build(self) -> list:
         """What ``fit`` builds the optimizer on: the model's trainable variables (or this Freezer's)."""
@@ -408,6 +431,9 @@ class Freezer(FreezerBase):
         if opt.freezer is not None:
             return opt.freezer
         frz = rebuild_freezer(cls, model, opt)
+        frz._hold(held_dense(frz, opt.saved_gradients or {"mode": "dense"}))
+        opt.adopt_resolution(frz.resolution)
+        frz._in_force_since(int(to_numpy(opt.iterations)))  # the plan was in force before the save
         opt.bind_freezer(frz, strong=True)
         frz._wrapped.append(weakref.ref(opt))
         return frz
