@@ -24,6 +24,7 @@ LAYERS = [
     {"_backends"},
     {"_plan"},
     {"_resolve"},
+    {"_slices"},
     {"_enforce"},
     {"_optimizer"},
     {"_report", "_files", "_tf1"},
@@ -280,7 +281,7 @@ def _keras_private_uses() -> list[str]:
                 first = node.args[0] if node.args else None
                 if name in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1:
                     key = node.args[1]
-                    if isinstance(key, ast.Constant) and _private(key.value) and key.value not in ours:
+                    if isinstance(key, ast.Constant) and _private(key.value) and key.value not in ours | NOT_KERAS:
                         found.append(f"{where} {name} {key.value}")
                 on_object = isinstance(fn, ast.Attribute) and getattr(fn.value, "id", None) == "object"
                 if name == "__setattr__" and on_object and not (isinstance(first, ast.Name) and first.id == "self"):

@@ -33,7 +33,6 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.arrays import to_numpy
-from finefreeze._backends.slices import spread
 from finefreeze._backends.variables import (
     as_optimizers_see,
     assign,
@@ -51,12 +50,13 @@ from finefreeze._backends.variables import (
 )
 from finefreeze._enforce.layout import VarLayout
 from finefreeze._enforce.policy import family, index_dtype
-from finefreeze._enforce.slices import sliced_gradient
 from finefreeze._keras.instances import no_tracking
 from finefreeze._keras.optimizers import decay_as
 from finefreeze._keras.variables import distribution_layout
 from finefreeze._kinds import Kind
 from finefreeze._resolve.targets import remember_base
+from finefreeze._slices.choose import sliced_gradient
+from finefreeze._slices.product import spread
 
 __all__ = [
     "Enforcer",

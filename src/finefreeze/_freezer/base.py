@@ -18,7 +18,6 @@ import keras
 import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
-from finefreeze._enforce.slices import slice_eligible, standin_of
 from finefreeze._errors import PlanError
 from finefreeze._keras.optimizers import forget_positions
 from finefreeze._kinds import STRATEGIES, State
@@ -28,6 +27,7 @@ from finefreeze._report.groups import format_groups, wants_detail
 from finefreeze._report.plot import plot
 from finefreeze._report.report import KERAS_WORDS, build_report, format_summary
 from finefreeze._resolve.resolve import Resolution, VarState, closest
+from finefreeze._slices.choose import slice_eligible, standin_of
 
 __all__ = ["FreezerBase", "as_plan"]
 

@@ -1,19 +1,19 @@
 """Layers whose kernel's trained elements get their own gradient: their ``call``, set on the instance.
 
-For each partially frozen kernel :func:`finefreeze._enforce.slices.choose`
+For each partially frozen kernel :func:`finefreeze._slices.choose.choose`
 finds a block (or scattered elements) for, the layer gets a ``call`` of its
 own instance (in its ``__dict__``, as Python looks there first): Keras' call
 of that class line for line (``Dense``, ``EinsumDense``, the convolutions,
 ``Embedding`` and ``ReversibleEmbedding``'s lookup and tied reverse
 projection), with the kernel product (an embedding's lookup) replaced by
-:func:`finefreeze._backends.slices.sliced_product`, which hands the trained
+:func:`finefreeze._slices.product.sliced_product`, which hands the trained
 elements' gradient to a stand-in (``standins``). Nothing of it is saved:
 the layer keeps its class and its config, and a model saved while it trains
 loads as plain Keras. A layer that two live Freezers plan (two plans
 trained by turns, as a GAN's) is never sliced: the gradient the layer
 computes cannot know which plan's optimizer will apply it. The call falls
 back to the class's own when the Freezer that set it is gone, inside
-:func:`finefreeze._backends.slices.full_gradients` (``select``
+:func:`finefreeze._slices.product.full_gradients` (``select``
 scores every element) and when the Freezer's ``gradients="dense"``.
 """
 
@@ -30,13 +30,13 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.questions import lookups_are_sparse
-from finefreeze._backends.sampled import Sampled
-from finefreeze._backends.slices import Taken, looked_up, read_rows, sliced_product, slicing
-from finefreeze._enforce.slices import MARK, KernelSlice, choose
 from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value
 from finefreeze._keras.layers import causal_padding, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
+from finefreeze._slices.choose import MARK, KernelSlice, choose
+from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
+from finefreeze._slices.sampled import Sampled
 
 __all__ = ["set_sliced"]
 
@@ -98,8 +98,8 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
         mode: the Freezer's ``gradients``. ``"dense"``: no layer is sliced (on
             TensorFlow a partially frozen ``Embedding`` still reads its table
             by rows, which changes no maths: the gradient is Keras' own);
-            ``"sliced"``: every slice (or sampled kernel) :func:`~finefreeze._enforce.slices.choose`
-            finds; ``"auto"``: those :func:`~finefreeze._enforce.slices.pays` says pay, but not the
+            ``"sliced"``: every slice (or sampled kernel) :func:`~finefreeze._slices.choose.choose`
+            finds; ``"auto"``: those :func:`~finefreeze._slices.choose.pays` says pay, but not the
             paths in ``held``.
         held: ``"auto"``: paths kept dense.
         often: the plan changes again soon (``Reselect``): under ``"auto"`` a
@@ -198,59 +198,65 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
 
     index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind == "sampled" else (lambda: None)
 
-    if ks.kind in ("dense", "sampled") and not isinstance(layer, keras.layers.EinsumDense):
-
-        def call(inputs, training=None):
-            if not now():
-                return plain(inputs, training=training)
-            x = sliced_product(ops.matmul, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
-            return _bias_and_activation(layer, x)
-
-    elif ks.kind == "rows":
+    if ks.kind == "rows":
         call = _lookup_call(layer, ks, plain, taken, mark, frozen, now, standin)
+    elif ks.kind in ("dense", "einsum", "sampled"):
+        call = _product_call(layer, ks, plain, taken, now, standin, index)
+    else:
+        call = _conv_call(layer, plain, taken, now, standin)
+    set_instance_value(layer, "call", call)
+    set_instance_value(layer, MARK, mark)
 
-    elif ks.kind in ("einsum", "sampled"):
+
+def _product_call(layer, ks: KernelSlice, plain, taken, now, standin, index):
+    """The call of a ``Dense`` or ``EinsumDense`` whose trained elements get their own gradient."""
+    if ks.kind in ("dense", "sampled") and not isinstance(layer, keras.layers.EinsumDense):
+        product = ops.matmul
+    else:
 
         def product(a, k):
             return ops.einsum(layer.equation, a, k)
 
-        def call(inputs, training=None):
-            if not now():
-                return plain(inputs, training=training)
-            x = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
-            return _bias_and_activation(layer, x)
+    def call(inputs, training=None):
+        if not now():
+            return plain(inputs, training=training)
+        x = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
+        return _bias_and_activation(layer, x)
 
-    else:
-        causal = isinstance(layer, keras.layers.Conv1D) and layer.padding == "causal"  # Conv1D.call pads first
+    return call
 
-        def product(a, k):
-            return ops.conv(
-                a,
-                k,
-                strides=list(layer.strides),
-                padding="valid" if causal else layer.padding,
-                dilation_rate=layer.dilation_rate,
-                data_format=layer.data_format,
-            )
 
-        def call(inputs):
-            if not now():
-                return plain(inputs)
-            if causal:
-                inputs = ops.pad(inputs, causal_padding(layer))
-            outputs = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin())
-            if layer.use_bias:
-                if layer.data_format == "channels_last":
-                    bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
-                else:
-                    bias_shape = (1, layer.filters) + (1,) * layer.rank
-                outputs = ops.add(outputs, ops.reshape(layer.bias, bias_shape))
-            if layer.activation is not None:
-                return layer.activation(outputs)
-            return outputs
+def _conv_call(layer, plain, taken, now, standin):
+    """The call of a convolution whose trained elements get their own gradient (``BaseConv.call`` line for line)."""
+    causal = isinstance(layer, keras.layers.Conv1D) and layer.padding == "causal"  # Conv1D.call pads first
 
-    set_instance_value(layer, "call", call)
-    set_instance_value(layer, MARK, mark)
+    def product(a, k):
+        return ops.conv(
+            a,
+            k,
+            strides=list(layer.strides),
+            padding="valid" if causal else layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+
+    def call(inputs):
+        if not now():
+            return plain(inputs)
+        if causal:
+            inputs = ops.pad(inputs, causal_padding(layer))
+        outputs = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin())
+        if layer.use_bias:
+            if layer.data_format == "channels_last":
+                bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
+            else:
+                bias_shape = (1, layer.filters) + (1,) * layer.rank
+            outputs = ops.add(outputs, ops.reshape(layer.bias, bias_shape))
+        if layer.activation is not None:
+            return layer.activation(outputs)
+        return outputs
+
+    return call
 
 
 def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standin):

@@ -4,7 +4,7 @@ A kernel of a ``Dense``, ``EinsumDense`` (the attention projections of
 Keras and KerasHub) or ``Conv1D/2D/3D`` layer whose trained elements lie in
 a block (some rows, columns, output or input channels, heads: indices along
 some of its axes) gets the weight gradient of that block only
-(:func:`finefreeze._backends.slices.sliced_product`); so does the table of
+(:func:`finefreeze._slices.product.sliced_product`); so does the table of
 an ``Embedding`` (or ``ReversibleEmbedding``, KerasHub's token embedding)
 whose trained elements lie in some rows (new tokens): the gradient of those
 rows only, summed from the batch's ids. The block is the
@@ -27,7 +27,7 @@ convolutions with ``groups=1``.
 
 Example:
     >>> import keras, numpy as np
-    >>> from finefreeze._enforce.slices import kernel_slice
+    >>> from finefreeze._slices.choose import kernel_slice
     >>> d = keras.layers.Dense(8); d.build((None, 4))
     >>> frozen = np.ones((4, 8), bool); frozen[:, :2] = False
     >>> s = kernel_slice(d, d.kernel, frozen)
