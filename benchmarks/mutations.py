@@ -173,7 +173,7 @@ MUTATIONS = [
     (
         "step counts: not restored from a checkpoint",
         "_optimizer/enforcement.py",
-        "                ages.write(self, e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))",
+        "                self._write_ages(e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))",
         "                pass",
         "tests/test_fresh_state.py -k checkpoint",
     ),

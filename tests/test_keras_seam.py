@@ -159,10 +159,18 @@ def test_in_stateless_scope():
 
 @pytest.mark.backends("jax", "torch", reason="off TensorFlow only: there keras.utils.set_random_seed seeds it")
 def test_seed_keras_only():
+    """As ``randomness.seed`` uses it, with Python's generator seeded: the same draws again, and the seed recorded."""
+    import random
+
+    from keras.src.utils import rng_utils
+
     instances.seed_keras_only(7)
+    random.seed(7)  # Keras' new generator takes its seed from Python's
     a = _numpy(keras.random.normal((3,)))
     instances.seed_keras_only(7)
-    assert np.array_equal(_numpy(keras.random.normal((3,))), a)  # Keras' global generator made anew from the seed
+    random.seed(7)
+    assert np.array_equal(_numpy(keras.random.normal((3,))), a)  # the global generator was made anew
+    assert rng_utils.get_random_seed() == 7  # what Keras' JAX distribution reads
 
 
 # -- optimizers --------------------------------------------------------------------------------------------------
@@ -195,10 +203,16 @@ def test_forget_positions():
 
 
 def test_unbuild():
-    opt, w = _built_adam()
+    w = keras.Variable(np.ones((2, 3), "float32"), name="w")
+    opt = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    opt.exclude_from_weight_decay(var_names=["w"])
+    opt.build([w])
+    opt._use_weight_decay(w)  # fills Keras' cache of decisions, keyed by the variable
     optimizers.untrack(opt, optimizers.own_variables(opt)[2:])
     optimizers.unbuild(opt)
     assert not opt.built and optimizers.built_on(opt) == []
+    caches = {k: v for k, v in vars(opt).items() if "cache" in k or "indices" in k}
+    assert caches and all(v == {} for v in caches.values()), caches  # nothing keyed by the old variables
     opt.build([w])  # builds again, as new
     assert opt.built and len(opt.variables) == 4
 
@@ -225,15 +239,15 @@ def test_var_key():
 
 def test_decay_as():
     vector = keras.Variable(np.ones((3,), "float32"), name="vector")
+    other = keras.Variable(np.ones((3,), "float32"), name="other")
     kernel = keras.Variable(np.ones((2, 3), "float32"), name="kernel")
     opt = keras.optimizers.AdamW(0.1, weight_decay=0.5)
     opt.exclude_from_weight_decay(var_names=["kernel"])
-    opt.build([vector])
+    opt.build([vector, other])
     optimizers.decay_as(opt, vector, kernel)
-    assert opt._use_weight_decay(vector) is False  # the vector decays as the excluded kernel: not at all
-    before = _numpy(vector)
-    opt.apply([keras.ops.zeros((3,))], [vector])
-    assert np.array_equal(_numpy(vector), before)  # a zero gradient and no decay: unchanged
+    opt.apply([keras.ops.zeros((3,)), keras.ops.zeros((3,))], [vector, other])
+    assert np.array_equal(_numpy(vector), np.ones(3, "float32"))  # decays as the excluded kernel: not at all
+    assert not np.array_equal(_numpy(other), np.ones(3, "float32"))  # a zero gradient: decay alone moved it
 
 
 def test_iterations_variable():
@@ -251,19 +265,29 @@ def test_nadam_product():
 
 
 def test_counting_from():
-    """Adam's first step from a count of 0: the same bytes as a fresh Adam's, whatever the global count."""
+    """Adam's and Nadam's first step from a count of 0: a fresh optimizer's bytes, whatever the global count."""
     g = np.array([0.5, -2.0, 1.0], "float32")
-    fresh_w = keras.Variable(np.ones((3,), "float32"))
-    fresh = keras.optimizers.Adam(0.1)
-    fresh.apply([g], [fresh_w])
-    w = keras.Variable(np.ones((3,), "float32"))
-    opt = keras.optimizers.Adam(0.1)
-    opt.build([w])
-    opt.iterations.assign(40)
-    with optimizers.counting_from(opt, keras.ops.subtract(opt.iterations, 40)):
-        opt.update_step(keras.ops.convert_to_tensor(g), w, opt.learning_rate)
-    assert np.array_equal(_numpy(w), _numpy(fresh_w))
-    assert int(_numpy(opt.iterations)) == 40  # put back after the block
+    for make in (keras.optimizers.Adam, keras.optimizers.Nadam):
+        fresh_w = keras.Variable(np.ones((3,), "float32"))
+        fresh = make(0.1)
+        fresh.build([fresh_w])
+        fresh.update_step(keras.ops.convert_to_tensor(g), fresh_w, fresh.learning_rate)
+        w = keras.Variable(np.ones((3,), "float32"))
+        opt = make(0.1)
+        opt.build([w])
+        opt.iterations.assign(40)
+        product = None
+        if optimizers.nadam_product(opt) is not None:
+            optimizers.nadam_product(opt).assign(0.25)  # its own product, after 40 steps
+            product = keras.Variable(_numpy(optimizers.nadam_product(fresh)))  # a fresh element's
+        with optimizers.counting_from(opt, keras.ops.subtract(opt.iterations, 40), product):
+            if product is not None:
+                assert optimizers.nadam_product(opt) is product
+            opt.update_step(keras.ops.convert_to_tensor(g), w, opt.learning_rate)
+        assert np.array_equal(_numpy(w), _numpy(fresh_w)), make.__name__
+        assert int(_numpy(opt.iterations)) == 40  # put back after the block
+        if product is not None:
+            assert float(_numpy(optimizers.nadam_product(opt))) == 0.25
 
 
 def test_replace_update_step():
@@ -490,11 +514,13 @@ SLICED = {
         (5, 8),
         np.s_[2:5],
     ),
+    "Dense scattered (sampled)": (lambda: keras.layers.Dense(64, name="k"), (5, 64), np.diag_indices(64)),
     "EinsumDense heads, bias": (
         lambda: keras.layers.EinsumDense("abc,cde->abde", (4, 3, 2), bias_axes="de", activation="tanh", name="k"),
         (5, 4, 6),
         np.s_[:, 1],
     ),
+    "Conv1D valid": (lambda: keras.layers.Conv1D(4, 3, name="k"), (5, 9, 3), np.s_[..., 2:]),
     "Conv1D causal, dilated": (
         lambda: keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=2, name="k"),
         (5, 9, 3),
@@ -505,6 +531,7 @@ SLICED = {
         (5, 7, 7, 2),
         np.s_[:, :, 1:],
     ),
+    "Conv3D same": (lambda: keras.layers.Conv3D(3, 2, padding="same", name="k"), (2, 4, 4, 4, 2), np.s_[..., :1]),
     "Embedding rows": (lambda: keras.layers.Embedding(20, 4, name="k"), (5, 6), np.s_[16:]),
 }
 
@@ -546,6 +573,8 @@ def test_a_sliced_layers_output_and_input_gradient_are_keras_own_bit_for_bit(cas
     mask[part] = False
     frz = ff.Freezer(model, ff.Plan([ff.freeze("**/k/**"), ff.train(kernel.path, mask=~mask)]), gradients="sliced")
     assert instances.instance_value(mine, "call", None) is not None, "the layer's own call is in place"
+    if "sampled" in case:
+        assert instances.instance_value(mine, "_finefreeze_sliced").slice.kind == "sampled"
     t = keras.ops.convert_to_tensor(x)
     assert np.array_equal(_numpy(model(t)), _numpy(reference(t)))
     if not ids:  # the input gradient: Keras' own, bit for bit

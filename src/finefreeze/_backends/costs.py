@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from finefreeze._backends.questions import keras_backend
 
-__all__ = ["AUTO_PAYS", "AUTO_SAMPLES", "backend_or_current"]
+__all__ = ["AUTO_PAYS", "AUTO_SAMPLES", "auto_pays", "auto_samples"]
 
 #: ``gradients="auto"``, per backend: the largest fraction of a kernel a block of ranges and a block with
 #: an index list (taken by a gather) get their own weight gradient at, and the fewest elements the kernel
@@ -29,6 +29,11 @@ AUTO_SAMPLES = {
 }
 
 
-def backend_or_current(backend: str | None) -> str:
-    """``backend``, or the Keras backend in force."""
-    return backend or keras_backend()
+def auto_pays(backend: str | None = None) -> tuple[float, float, int] | None:
+    """:data:`AUTO_PAYS` of ``backend`` (default: the Keras backend in force); None where never measured."""
+    return AUTO_PAYS.get(backend or keras_backend())
+
+
+def auto_samples(backend: str | None = None) -> float | None:
+    """:data:`AUTO_SAMPLES` of ``backend`` (default: the Keras backend in force); None where never measured."""
+    return AUTO_SAMPLES.get(backend or keras_backend())

@@ -3,7 +3,7 @@
 Every backend module (``tensorflow``, ``jax``, ``torch``) implements the
 functions below; :func:`finefreeze._backends.chosen.chosen` picks one module
 once, by the Keras backend in force, and the rest of finefreeze calls the
-interface through ``variables``, ``slices`` and ``elements``. JAX and
+interface through ``variables``, ``elements`` and ``_slices.product``. JAX and
 PyTorch take these as they are where they do not override them; Keras'
 NumPy backend takes them all (it computes no gradients: nothing trains).
 
@@ -18,6 +18,8 @@ The interface:
   :func:`write_elements`;
 - a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
 - :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`;
+- capabilities: :data:`SPARSE_LOOKUPS`, :data:`INT64_INDICES_ONLY`,
+  :data:`PAIRS_BY_POSITION`, :func:`has_int64`;
 - ``<module>.gradients.Gradients``: per-example gradients of ``select``.
 """
 
@@ -33,12 +35,16 @@ from keras import ops
 from finefreeze._backends.read import read
 
 __all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
     "as_optimizers_see",
     "block_write",
     "current",
     "current_value",
     "densify",
     "eager_scope",
+    "has_int64",
     "in_xla",
     "is_sparse",
     "nadam_product_step",
@@ -56,6 +62,19 @@ __all__ = [
     "write_all",
     "write_elements",
 ]
+
+
+#: an ``Embedding``'s gradient arrives sparse (TensorFlow's ``IndexedSlices``)
+SPARSE_LOOKUPS = False
+#: tensors are indexed with int64 indices only (PyTorch's ``index_put_``)
+INT64_INDICES_ONLY = False
+#: Keras' trainer pairs the model's gradients with the optimizer's built-on variables by position (JAX)
+PAIRS_BY_POSITION = False
+
+
+def has_int64() -> bool:
+    """Whether the backend computes with 64-bit integers."""
+    return True
 
 
 def prefer_in_place_updates() -> bool:

@@ -1,10 +1,10 @@
-"""The named questions about the environment that the rest of finefreeze asks.
+"""The named questions about the environment, each answered one way.
 
-Every "which backend", "is TensorFlow here" and "is this a TensorFlow object"
-of the package is one of these functions, so each is answered one way:
+"Which Keras backend" is asked inside ``_backends`` only (the chosen module
+answers the rest: ``chosen``); "is TensorFlow here" and "is this a
+TensorFlow object" anywhere:
 
-- :func:`keras_is_tensorflow` / :func:`keras_is_jax`: the Keras backend;
-- :func:`jax_has_int64`: whether JAX has 64-bit integers;
+- :func:`keras_backend` / :func:`keras_is_tensorflow`: the Keras backend (``_backends`` only);
 - :func:`tensorflow`: the TensorFlow module when it is the Keras backend;
 - :func:`tensorflow_imported`: TensorFlow when something already imported
   it (a ``tf.Variable``, ``tf.Module`` or ``tf.data.Dataset`` cannot exist
@@ -30,19 +30,13 @@ import sys
 from types import ModuleType
 
 __all__ = [
-    "has_int64",
-    "indexes_in_int64_only",
     "is_module",
     "is_variable",
-    "jax_has_int64",
     "keras_backend",
-    "keras_is_jax",
     "keras_is_tensorflow",
-    "lookups_are_sparse",
     "tensorflow",
     "tensorflow_imported",
     "tensorflow_installed",
-    "trainer_pairs_by_position",
 ]
 
 
@@ -56,40 +50,6 @@ def keras_backend() -> str:
 def keras_is_tensorflow() -> bool:
     """Whether the Keras backend is TensorFlow."""
     return keras_backend() == "tensorflow"
-
-
-def keras_is_jax() -> bool:
-    """Whether the Keras backend is JAX."""
-    return keras_backend() == "jax"
-
-
-def jax_has_int64() -> bool:
-    """Whether JAX runs with 64-bit integers (``jax_enable_x64``); imports JAX."""
-    import jax
-
-    return bool(jax.config.jax_enable_x64)
-
-
-def has_int64() -> bool:
-    """Whether the backend computes with 64-bit integers (all but JAX without ``jax_enable_x64``)."""
-    return not keras_is_jax() or jax_has_int64()
-
-
-def lookups_are_sparse(layer) -> bool:
-    """Whether ``layer``'s variable gets a sparse gradient: an ``Embedding`` on TensorFlow (``IndexedSlices``)."""
-    import keras
-
-    return keras_is_tensorflow() and isinstance(layer, keras.layers.Embedding)
-
-
-def indexes_in_int64_only() -> bool:
-    """Whether the backend indexes tensors with int64 indices only (PyTorch's ``index_put_``)."""
-    return keras_backend() == "torch"
-
-
-def trainer_pairs_by_position() -> bool:
-    """Whether Keras' trainer pairs the model's gradients with the optimizer's built-on list by position (JAX)."""
-    return keras_is_jax()
 
 
 def tensorflow() -> ModuleType | None:

@@ -172,7 +172,6 @@ class Enforcers:
         self.frozen_ids: set[int] = set(frozen_ids)
         self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
         self.state = state  # the inner optimizer's state by variable (optimizer.migrate.StateMap)
-        self.aged = None  # {id(inner optimizer): {variable key: born}}, made by optimizer.ages when needed
 
     def own_variables(self) -> set[int]:
         return {

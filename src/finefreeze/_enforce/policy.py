@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 
-from finefreeze._backends.questions import has_int64, lookups_are_sparse
+from finefreeze._backends.chosen import has_int64, lookups_are_sparse
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._keras.optimizers import sub_optimizers
 from finefreeze._kinds import Kind

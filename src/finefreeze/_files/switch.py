@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze._backends.chosen import indexes_in_int64_only
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.elements import read_elements, write_elements
-from finefreeze._backends.questions import indexes_in_int64_only
 from finefreeze._errors import DeltaError
 from finefreeze._files.entries import Bound, bind, digest, read_entries
 from finefreeze._resolve.targets import collect

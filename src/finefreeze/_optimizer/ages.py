@@ -213,14 +213,19 @@ def _variable(state, e, name: str, array: np.ndarray):
     )
 
 
-def write(state, e, value) -> None:
-    """Put ``value`` (``(born, product)``) in ``e``: assigned where it fits, else new optimizer variables."""
+def write(state, e, value) -> tuple | None:
+    """Put ``value`` (``(born, product)``) in ``e``'s variables where it fits; else the new variables that hold it.
+
+    Returns:
+        None when written, else ``(born, product or None)``: new optimizer
+        variables for ``e`` (its owner, ``Enforcement``, puts them in).
+    """
     if value is None:
         if e.born is not None:
             e.born.assign(np.zeros(e.born.shape, np.int32))
             if e.u_product is not None:
                 e.u_product.assign(np.full(e.u_product.shape, _own_product(state), np.float32))
-        return
+        return None
     born, product = (np.asarray(v) if v is not None else None for v in value)
     born = born.astype(np.int32)
     if born.ndim and e.kind != Kind.COMPACT:  # one per element of the variable, else of the compact vector
@@ -230,23 +235,14 @@ def write(state, e, value) -> None:
         e.born.assign(np.broadcast_to(born, e.born.shape))
         if e.u_product is not None and product is not None:
             e.u_product.assign(np.broadcast_to(product.astype(np.float32), e.u_product.shape))
-        return
-    e.born = _variable(state, e, "born", born)
-    if product is not None:
-        e.u_product = _variable(state, e, "u_product", product.astype(np.float32))
-    state.forget_aged()
+        return None
+    made = None if product is None else _variable(state, e, "u_product", product.astype(np.float32))
+    return _variable(state, e, "born", born), made
 
 
 def aged(enforcers, o) -> dict:
-    """``{var_key(o, inner variable): enforcer}`` of the enforcers with a release step, cached per enforcer set."""
-    if enforcers.aged is None:
-        enforcers.aged = {}
-    mine = enforcers.aged.get(id(o))
-    if mine is None:
-        mine = enforcers.aged[id(o)] = {
-            var_key(o, e.inner_variable): e for e in enforcers.ordered if e.born is not None
-        }
-    return mine
+    """``{var_key(o, inner variable): enforcer}`` of the enforcers with a release step."""
+    return {var_key(o, e.inner_variable): e for e in enforcers.ordered if e.born is not None}
 
 
 @contextlib.contextmanager

@@ -80,6 +80,7 @@ class Enforcement:
         self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))
         self._warned: set[str] = set()
         self._checked = None  # the variable list last checked for the plan in force (ids)
+        self._aged: dict | None = None  # {id(inner optimizer): {variable key: enforcer}} of those with release steps
 
     # -- what it holds (read-only) ----------------------------------------------
     @property
@@ -174,7 +175,7 @@ class Enforcement:
         # (Nadam's u_product is an attribute, not an add_variable)
         enforcers.state = migrate.build_recording(self._inner, [e.inner_variable for e in enforcers.ordered])
         decay_compact_like_its_variable(self._inner, enforcers)
-        self._layout, self._enforcers = layout, enforcers
+        self._layout, self._enforcers, self._aged = layout, enforcers, None
         ages.install(self)
         if held is not None:
             _put_back(enforcers.state, others or {})
@@ -203,14 +204,15 @@ class Enforcement:
         ours = self._enforcers.own_variables()
         masks = [(w, to_numpy(w).copy()) for w in own_variables(opt) if id(w) in ours]
         state = [(w, to_numpy(w).copy()) for ws in self._enforcers.state.per_element.values() for _, w, _ in ws]
-        return self, dict(vars(self)), dicts, masks + state
+        mine = dict(vars(self), _warned=set(self._warned))
+        return self, mine, dicts, masks + state
 
     @staticmethod
     def undo(saved) -> None:
         """Undo a change: the optimizers' attributes, variable lists and values as :meth:`begin` saw them."""
         self, mine, dicts, values = saved
         vars(self).clear()
-        vars(self).update(mine)
+        vars(self).update(mine, _aged=None)
         for o, d, lst in dicts:
             restore_attributes(o, d)
             migrate.retrack(o, lst)
@@ -262,7 +264,7 @@ class Enforcement:
         idx = elements(e, trained_only=False)
         values = to_numpy(e.variable).reshape(-1)[idx]
         migrate.carry(self._enforcers.state, e.inner_variable, idx, values, held)
-        ages.write(self, e, ages.recount(self, e, None if held is None else (held.elements, held.born)))
+        self._write_ages(e, ages.recount(self, e, None if held is None else (held.elements, held.born)))
 
     def _held(self, e: Enforcer) -> migrate.Held:
         """The state of ``e``'s trained elements now."""
@@ -274,11 +276,19 @@ class Enforcement:
     # -- release steps -------------------------------------------------------------
     def aged(self, o) -> dict:
         """``{key of o: enforcer}`` of the enforcers holding release steps, for inner optimizer ``o`` (cached)."""
-        return ages.aged(self._enforcers, o)
+        if self._aged is None:
+            self._aged = {}
+        if id(o) not in self._aged:
+            self._aged[id(o)] = ages.aged(self._enforcers, o)
+        return self._aged[id(o)]
 
-    def forget_aged(self) -> None:
-        """Drop the cache of :meth:`aged` (an enforcer gained or lost its release-step variables)."""
-        self._enforcers.aged = None
+    def _write_ages(self, e: Enforcer, value) -> None:
+        """Give ``e`` the release steps ``value`` (``ages.write``), in new optimizer variables where they do not fit."""
+        made = ages.write(self, e, value)
+        if made is not None:
+            e.born = made[0]
+            e.u_product = made[1] if made[1] is not None else e.u_product
+            self._aged = None  # an enforcer gained release-step variables
 
     def load_ages(self, saved: list, store) -> None:
         """Give each enforcer the release steps a checkpoint holds for it: ``saved`` is ``[(slot, path, slot)]``."""
@@ -289,8 +299,8 @@ class Enforcement:
         for i, path, j in saved:
             e = _same_path(path, enforcers)
             if e is not None:
-                ages.write(self, e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))
-        self.forget_aged()
+                self._write_ages(e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))
+        self._aged = None
 
 
 def _same_shape(enf: Enforcer, e) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 
-from finefreeze._backends.questions import trainer_pairs_by_position
+from finefreeze._backends.chosen import trainer_pairs_by_position
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._resolve.resolve import PARTIAL, TRAINABLE
 from finefreeze._resolve.standins import is_standin

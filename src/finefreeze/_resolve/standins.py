@@ -2,7 +2,7 @@
 
 Keras computes gradients for the variables a model trains, each in its
 variable's shape: a kernel of which 1 % trains would get a kernel-shaped
-gradient. A sliced layer (``sliced_calls``) hands the gradient of the
+gradient. A sliced layer (``_slices.calls``) hands the gradient of the
 kernel's trained elements to a *stand-in* instead, a flat variable of those
 elements alone in sorted flat order, and the kernel gets none. The
 optimizer updates the stand-in (it is ``compact``'s vector: the inner

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finefreeze._backends.questions import lookups_are_sparse
+from finefreeze._backends.chosen import lookups_are_sparse
 from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value
 from finefreeze._keras.layers import causal_padding, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL

@@ -42,7 +42,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, backend_or_current
+from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, auto_pays, auto_samples
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable
 
@@ -248,7 +248,7 @@ def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None =
     block = ks if ks is not None and (mode == "sliced" or pays(ks, backend)) else None
     sample = kernel_sample(layer, variable, frozen)
     if sample is not None and (mode == "sliced" or pays(sample, backend)):
-        crossover = AUTO_SAMPLES.get(backend_or_current(backend)) or SAMPLE_AT_MOST  # unmeasured: "sliced"'s
+        crossover = auto_samples(backend) or SAMPLE_AT_MOST  # unmeasured: "sliced"'s
         if block is None or sample.fraction / crossover < block.fraction:
             return sample, True
     return (block, True) if block is not None else (ks, False)
@@ -267,14 +267,13 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
     """
     if s.kind == "rows":
         return True
-    backend = backend_or_current(backend)
-    measured = AUTO_PAYS.get(backend)
+    measured = auto_pays(backend)
     if measured is None:  # a backend never measured (numpy takes no gradients): the dense path
         return False
     ranges, lists, elements = measured
     big = int(np.prod(s.shape, dtype=np.int64)) >= elements
     if s.kind == "sampled":
-        return s.fraction <= AUTO_SAMPLES[backend] and big
+        return s.fraction <= auto_samples(backend) and big
     contiguous = all(i is None or len(i) == 0 or int(i[-1]) - int(i[0]) + 1 == len(i) for i in s.index)
     return s.fraction <= (ranges if contiguous else lists) and big
 

@@ -28,6 +28,9 @@ from finefreeze._backends.functional import (
 )
 
 __all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
     "IN_PLACE_FLAG",
     "as_optimizers_see",
     "block_write",
@@ -35,6 +38,7 @@ __all__ = [
     "current_value",
     "densify",
     "eager_scope",
+    "has_int64",
     "in_xla",
     "is_sparse",
     "nadam_product_step",
@@ -52,6 +56,18 @@ __all__ = [
     "write_all",
     "write_elements",
 ]
+
+SPARSE_LOOKUPS = False
+INT64_INDICES_ONLY = False
+PAIRS_BY_POSITION = True  # Keras' JAX trainer: stateless_apply over the built-on list
+
+
+def has_int64() -> bool:
+    """Whether JAX computes with 64-bit integers (``jax_enable_x64``)."""
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
+
 
 #: XLA on a CPU copies a donated variable that a step both reads and updates in part (a block or some
 #: elements written back into a kernel), unless its copy insertion uses region analysis (benchmarks/llm_memory.py)

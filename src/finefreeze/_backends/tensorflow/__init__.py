@@ -21,15 +21,19 @@ import tensorflow as tf
 from finefreeze._backends import functional
 from finefreeze._backends.arrays import native, unravel
 from finefreeze._backends.distribute import owner_scope
-from finefreeze._backends.functional import nadam_product_step, prefer_in_place_updates
+from finefreeze._backends.functional import has_int64, nadam_product_step, prefer_in_place_updates
 
 __all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
     "as_optimizers_see",
     "block_write",
     "current",
     "current_value",
     "densify",
     "eager_scope",
+    "has_int64",
     "in_xla",
     "is_sparse",
     "nadam_product_step",
@@ -47,6 +51,10 @@ __all__ = [
     "write_all",
     "write_elements",
 ]
+
+SPARSE_LOOKUPS = True  # an Embedding's gradient is IndexedSlices
+INT64_INDICES_ONLY = False
+PAIRS_BY_POSITION = False
 
 
 def snapshot(v):

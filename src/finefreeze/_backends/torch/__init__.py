@@ -21,6 +21,7 @@ from finefreeze._backends.functional import (
     current,
     current_value,
     eager_scope,
+    has_int64,
     in_xla,
     own_buffers,
     snapshot,
@@ -30,12 +31,16 @@ from finefreeze._backends.functional import (
 from finefreeze._keras.instances import in_stateless_scope
 
 __all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
     "as_optimizers_see",
     "block_write",
     "current",
     "current_value",
     "densify",
     "eager_scope",
+    "has_int64",
     "in_xla",
     "is_sparse",
     "nadam_product_step",
@@ -53,6 +58,10 @@ __all__ = [
     "write_all",
     "write_elements",
 ]
+
+SPARSE_LOOKUPS = False
+INT64_INDICES_ONLY = True  # index_put_ takes int64 indices only
+PAIRS_BY_POSITION = False
 
 prefer_in_place_updates = functional.prefer_in_place_updates
 
