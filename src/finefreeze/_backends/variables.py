@@ -22,9 +22,11 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from finefreeze._backends import jax as jax_backend
 from finefreeze._backends.arrays import unravel
 from finefreeze._backends.chosen import chosen
 from finefreeze._backends.jax import IN_PLACE_FLAG
+from finefreeze._backends.questions import keras_backend
 
 __all__ = [
     "IN_PLACE_FLAG",
@@ -56,7 +58,8 @@ def prefer_in_place_updates() -> bool:
     return chosen().prefer_in_place_updates()
 
 
-prefer_in_place_updates()
+if keras_backend() == "jax":  # at import, before JAX starts: the chosen module may be imported later than that
+    jax_backend.prefer_in_place_updates()
 
 
 def snapshot(v):
