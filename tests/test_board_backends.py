@@ -156,7 +156,7 @@ def test_a_model_saved_after_freezeboard_loads_its_optimizer_state(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Skipping variable loading for optimizer" would be one
         loaded = keras.models.load_model(tmp_path / "m.keras")
-    norms = {id(v) for v in model.optimizer._enforcers.norms}
+    norms = {id(v) for v in model.optimizer._enforcement.enforcers.norms}
     saved = [v for v in model.optimizer.variables if id(v) not in norms]
     assert len(model.optimizer.variables) == len(saved) + 2  # the norms ride along while tracked
     assert len(loaded.optimizer.variables) == len(saved)

@@ -48,9 +48,9 @@ def table(m):
     return np.array(m.get_layer("emb").embeddings.numpy(), copy=True)
 
 
-def fit(strategy, opt, plan=NEW_ROWS, jit=False, epochs=2):
+def fit(strategy, opt, plan=NEW_ROWS, jit=False, epochs=2, gradients="auto"):
     m = model()
-    frz = ff.Freezer(m, plan, strategy=strategy)
+    frz = ff.Freezer(m, plan, strategy=strategy, gradients=gradients)
     m.compile(optimizer=frz.wrap(opt()), loss="mse", jit_compile=jit)
     before = table(m)
     m.fit(X, Y, batch_size=12, epochs=epochs, shuffle=False, verbose=0)
@@ -59,15 +59,38 @@ def fit(strategy, opt, plan=NEW_ROWS, jit=False, epochs=2):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gradients", ["auto", "dense"])  # the rows' stand-in; the table's IndexedSlices taken by rows
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_compact_new_rows_train_as_restore_does_bit_for_bit(name, jit):
-    m, frz, before = fit("auto", OPTIMIZERS[name], jit=jit)
+def test_compact_new_rows_train_as_restore_does_bit_for_bit(name, jit, gradients):
+    m, frz, before = fit("auto", OPTIMIZERS[name], jit=jit, gradients=gradients)
     assert frz.strategy_for("emb/embeddings") == "compact"
     r, _, _ = fit("restore", OPTIMIZERS[name], jit=jit)
     after = table(m)
     assert np.array_equal(after[: VOCAB - NEW], before[: VOCAB - NEW])  # pretrained rows: bit-identical
     assert not np.array_equal(after[VOCAB - NEW :], before[VOCAB - NEW :])
+    for a, b in zip(weights_of(m), weights_of(r)):
+        assert np.array_equal(a.numpy(), b.numpy()), a.path
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+def test_rows_held_dense_after_a_recurring_change_train_as_restore_does_bit_for_bit(name):
+    """Rows whose slice moved under ``often=True`` take the table's IndexedSlices, found by rows (``take_sparse``)."""
+    moved = ff.Plan([ff.freeze("**/emb/**"), ff.train(f"**/emb/embeddings[{VOCAB - NEW - 2}:]")])
+
+    def run(strategy):
+        m = model()
+        frz = ff.Freezer(m, NEW_ROWS, strategy=strategy)
+        m.compile(optimizer=frz.wrap(OPTIMIZERS[name]()), loss="mse")
+        m.fit(X, Y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        frz.update(moved, often=True)
+        m.fit(X, Y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+        frz.verify()
+        return m, frz
+
+    m, frz = run("auto")
+    assert frz.strategy_for("emb/embeddings") == "compact" and frz.held_dense == ["emb/embeddings"]
+    r, _ = run("restore")
     for a, b in zip(weights_of(m), weights_of(r)):
         assert np.array_equal(a.numpy(), b.numpy()), a.path
 

@@ -16,8 +16,8 @@ import pytest
 
 import finefreeze as ff
 from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
-from finefreeze._enforce.slices import MARK, kernel_slice
 from finefreeze._resolve.standins import kernel_of
+from finefreeze._slices.choose import MARK, kernel_slice
 
 #: the largest difference of a trained value from the references, relative to the variable's largest value
 BOUND = 2e-5

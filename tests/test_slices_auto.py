@@ -1,6 +1,6 @@
 """``gradients="auto"`` (the default): slices get their own weight gradient where the benchmarks measured it cheaper.
 
-What auto decides is :func:`finefreeze._enforce.slices.pays`; these tests
+What auto decides is :func:`finefreeze._slices.choose.pays`; these tests
 check that the layers follow it, that auto's training is the sliced path's
 bit for bit where it slices and the dense path's where it does not, and the
 three cases where auto keeps a slice on the dense gradient on purpose: a
@@ -15,7 +15,7 @@ import pytest
 
 import finefreeze as ff
 from backend_utils import weights_of
-from finefreeze._enforce.slices import MARK, kernel_slice, pays
+from finefreeze._slices.choose import MARK, kernel_slice, pays
 
 BACKEND = keras.backend.backend()
 W = 256  # big enough that slicing pays on every backend (AUTO_PAYS)

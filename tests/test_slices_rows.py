@@ -16,7 +16,7 @@ import pytest
 
 import finefreeze as ff
 from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
-from finefreeze._enforce.slices import MARK
+from finefreeze._slices.choose import MARK
 
 BOUND = 2e-5  # of the variable's largest value, as in test_slices.py
 VOCAB, DIM, NEW = 40, 6, 5

@@ -15,8 +15,8 @@ import pytest
 
 import finefreeze as ff
 from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
-from finefreeze._enforce.slices import AUTO_SAMPLES, MARK, choose, kernel_sample, kernel_slice, pays, sampled_equation
 from finefreeze._resolve.standins import kernel_of
+from finefreeze._slices.choose import AUTO_SAMPLES, MARK, choose, kernel_sample, kernel_slice, pays, sampled_equation
 from test_slices import _product_sizes, trained
 
 #: the largest difference of a trained value from the references, relative to the variable's largest value
@@ -191,7 +191,7 @@ def test_mixed_precision_sampled_elements_round_no_worse_than_the_dense_path():
 
 def test_half_precision_inputs_are_summed_in_float32_as_a_matmul_sums_them():
     """Over 4,096 rows a float16 running sum would drift by far more than the one rounding of its result."""
-    from finefreeze._backends.sampled import Sampled
+    from finefreeze._slices.sampled import Sampled
 
     flat = np.flatnonzero(SCATTERED)
     rows, cols = np.nonzero(SCATTERED)

@@ -1,11 +1,14 @@
 """Room of the Keras backends: every TensorFlow, JAX and PyTorch specific of the package.
 
-Owns: the named questions about the environment (``questions``: is the Keras
-backend TensorFlow, is TensorFlow imported, is it installed), the variable
-operations that differ per backend (``variables``, ``arrays``), ``tf.distribute`` facts
-(``distribute``), fast reads (``read``) and the per-backend per-example
-gradients of ``select`` (``gradients`` with ``tensorflow``, ``jax``,
-``torch``, sharing ``accumulate``).
+Owns: one module per backend (``tensorflow``, ``jax``, ``torch``), each
+implementing the interface ``functional`` documents (reads, sparse
+gradients, in-place writes, the tap of a sliced kernel, per-example
+gradients in its ``gradients``), chosen once (``chosen``); the operations
+the strategies call, written once over the chosen module (``variables``,
+``elements``, ``arrays``); the named questions about the environment
+(``questions``), what each backend measured (``costs``), ``tf.distribute``
+facts (``distribute``), fast reads (``read``) and the shared pieces of
+``select``'s per-example gradients (``gradients``, ``accumulate``).
 
-May import: ``finefreeze._errors`` and the frameworks. Nothing else of finefreeze.
+May import: the foundation (``_errors``, ``_keras``) and the frameworks. Nothing else of finefreeze.
 """

@@ -14,7 +14,7 @@ import numpy as np
 
 from finefreeze._backends.questions import tensorflow_imported
 
-__all__ = ["native", "to_numpy"]
+__all__ = ["native", "to_numpy", "unravel"]
 
 
 def to_numpy(x) -> np.ndarray:
@@ -31,3 +31,21 @@ def native(v):
     if tf is not None and isinstance(v, tf.Variable):
         return v
     return v.value if isinstance(v, keras.Variable) else v
+
+
+def unravel(flat, shape):
+    """Flat indices to ``(k, ndim)`` indices, with ``keras.ops`` that XLA compiles.
+
+    The arithmetic runs in the dtype of ``flat``: int64 indices (variables of
+    2**31 elements or more) never wrap around.
+    """
+    ops = keras.ops
+    if len(shape) <= 1:
+        return ops.expand_dims(flat, 1)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    strides.reverse()
+    dtype = ops.dtype(flat)
+    return ops.stack([(flat // ops.cast(s, dtype)) % ops.cast(d, dtype) for s, d in zip(strides, shape)], axis=1)

@@ -14,6 +14,7 @@ from finefreeze._backends.arrays import native, to_numpy
 from finefreeze._backends.questions import tensorflow
 from finefreeze._backends.read import read
 from finefreeze._errors import DistributionError
+from finefreeze._keras.optimizers import optimizer_strategy, variable_strategy
 
 __all__ = ["owner_strategy", "check_cross_replica", "check_scope", "check_optimizer", "owner_scope", "replica_values"]
 
@@ -22,7 +23,7 @@ def owner_strategy(variables):
     """The ``tf.distribute`` strategy whose scope created ``variables``, or None."""
     owners = {}
     for v in variables:
-        s = getattr(native(v), "_distribute_strategy", None)
+        s = variable_strategy(native(v))
         if s is not None:
             owners[id(s)] = s
     if len(owners) > 1:
@@ -62,7 +63,7 @@ def check_optimizer(opt, variables, what: str) -> None:
     if owner is None:
         return
     for o in (opt, getattr(opt, "inner_optimizer", None)):
-        s = getattr(o, "_distribution_strategy", None)
+        s = optimizer_strategy(o)
         if o is not None and s is not owner:
             raise DistributionError(
                 f"{what}: the optimizer {type(o).__name__} was created outside the scope of the "

@@ -50,9 +50,13 @@ A microbatch of ``m`` examples holds ``m`` per-example gradients at most
 
 from __future__ import annotations
 
+import importlib
+
 import keras
 
+from finefreeze._backends.chosen import chosen
 from finefreeze._errors import PlanError
+from finefreeze._keras.layers import all_layers
 
 __all__ = ["make", "train_step", "need_gradients"]
 
@@ -90,7 +94,7 @@ def per_example_mode(model, mode: str) -> str:
     if mode not in ("auto", "vectorized", "loop"):
         raise PlanError(f"select: per_example={mode!r}; choose 'auto', 'vectorized' or 'loop'.")
     b = keras.backend.backend()
-    layers = model._flatten_layers(include_self=True) if isinstance(model, keras.Layer) else []
+    layers = all_layers(model) if isinstance(model, keras.Layer) else []
     softmax = next((x for x in layers if isinstance(x, _no_pfor_layers())), None)
     if mode == "vectorized" and b == "tensorflow" and softmax is not None:
         raise PlanError(
@@ -109,14 +113,13 @@ def per_example_mode(model, mode: str) -> str:
 
 def _backend_class():
     """The ``Gradients`` class of the Keras backend in force (its module imports only that framework)."""
-    b = keras.backend.backend()
-    if b == "tensorflow":
-        from finefreeze._backends.tensorflow import Gradients
-    elif b == "jax":
-        from finefreeze._backends.jax import Gradients
-    else:
-        from finefreeze._backends.torch import Gradients
-    return Gradients
+    module = chosen().__name__
+    if module.endswith("functional"):
+        raise PlanError(
+            f"select takes gradients, which the Keras backend {keras.backend.backend()!r} does not compute; "
+            "run it on TensorFlow, JAX or PyTorch (KERAS_BACKEND=jax)."
+        )
+    return importlib.import_module(f"{module}.gradients").Gradients
 
 
 def make(model, variables, loss_fn, per_example: str = "auto"):

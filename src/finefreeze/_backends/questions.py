@@ -1,10 +1,10 @@
-"""The named questions about the environment that the rest of finefreeze asks.
+"""The named questions about the environment, each answered one way.
 
-Every "which backend", "is TensorFlow here" and "is this a TensorFlow object"
-of the package is one of these functions, so each is answered one way:
+"Which Keras backend" is asked inside ``_backends`` only (the chosen module
+answers the rest: ``chosen``); "is TensorFlow here" and "is this a
+TensorFlow object" anywhere:
 
-- :func:`keras_is_tensorflow` / :func:`keras_is_jax`: the Keras backend;
-- :func:`jax_has_int64`: whether JAX has 64-bit integers;
+- :func:`keras_backend` / :func:`keras_is_tensorflow`: the Keras backend (``_backends`` only);
 - :func:`tensorflow`: the TensorFlow module when it is the Keras backend;
 - :func:`tensorflow_imported`: TensorFlow when something already imported
   it (a ``tf.Variable``, ``tf.Module`` or ``tf.data.Dataset`` cannot exist
@@ -32,9 +32,7 @@ from types import ModuleType
 __all__ = [
     "is_module",
     "is_variable",
-    "jax_has_int64",
     "keras_backend",
-    "keras_is_jax",
     "keras_is_tensorflow",
     "tensorflow",
     "tensorflow_imported",
@@ -52,18 +50,6 @@ def keras_backend() -> str:
 def keras_is_tensorflow() -> bool:
     """Whether the Keras backend is TensorFlow."""
     return keras_backend() == "tensorflow"
-
-
-def keras_is_jax() -> bool:
-    """Whether the Keras backend is JAX."""
-    return keras_backend() == "jax"
-
-
-def jax_has_int64() -> bool:
-    """Whether JAX runs with 64-bit integers (``jax_enable_x64``); imports JAX."""
-    import jax
-
-    return bool(jax.config.jax_enable_x64)
 
 
 def tensorflow() -> ModuleType | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from finefreeze._backends.questions import keras_backend, tensorflow_imported
+from finefreeze._keras.instances import seed_keras_only
 
 __all__ = ["global_state", "set_global_state", "set_seed"]
 
@@ -49,12 +50,7 @@ def set_seed(seed: int) -> None:
     if keras_backend() == "tensorflow" or tensorflow_imported() is not None:
         keras.utils.set_random_seed(seed)
         return
-    from keras.src.backend.common import global_state
-    from keras.src.random import seed_generator
-    from keras.src.utils import rng_utils
-
-    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, seed)
-    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+    seed_keras_only(seed)
     random.seed(seed)
     np.random.seed(seed)
     if keras_backend() == "torch":

@@ -14,6 +14,8 @@ import keras
 import numpy as np
 
 from finefreeze._backends import randomness
+from finefreeze._keras.instances import tag
+from finefreeze._keras.layers import all_layers, seed_generators
 
 __all__ = ["shuffled", "plain", "seed_states"]
 
@@ -57,7 +59,7 @@ def plain(model, name: str):
     preprocessor, which the detached preprocessor does not need and the
     epoch-seeded batches (a ``PyDataset``) cannot pass through.
     """
-    if hasattr(model, "_finefreeze_preprocessor"):
+    if tag(model, "_finefreeze_preprocessor", None) is not None:
         return getattr(keras.Model, name).__get__(model)
     return getattr(model, name)
 
@@ -65,8 +67,8 @@ def plain(model, name: str):
 def _seed_states(model) -> list:
     """The state variables of the model's seed generators (dropout and friends), in layer order."""
     out, seen = [], set()
-    for layer in model._flatten_layers(include_self=True):
-        for gen in getattr(layer, "_seed_generators", ()):
+    for layer in all_layers(model):
+        for gen in seed_generators(layer):
             if id(gen) not in seen:
                 seen.add(id(gen))
                 out.append(gen.state)

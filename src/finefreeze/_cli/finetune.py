@@ -25,6 +25,7 @@ from finefreeze._cli.epochs import plain, seed_states, shuffled
 from finefreeze._cli.inputs import data_kind, load_plan, training_inputs
 from finefreeze._files.atomic import Staging, Terminated, UserError, check_interrupt, interrupted
 from finefreeze._files.delta import save_delta
+from finefreeze._keras.instances import tag
 
 __all__ = ["finetune", "Result", "OUTPUTS", "RESUME", "training_inputs", "data_kind"]  # the last two from inputs
 
@@ -304,8 +305,9 @@ def _write(stage, model, frz, model_path, files, metric, history, settings, firs
     except ff.FrozenValueChanged as e:
         verified, violations = False, [list(v) for v in e.violations]
     check_interrupt()
-    if hasattr(model, "_finefreeze_preprocessor"):  # a preset's text classifier: saved with its preprocessor
-        model.preprocessor = model._finefreeze_preprocessor
+    pre = tag(model, "_finefreeze_preprocessor", None)
+    if pre is not None:  # a preset's text classifier: saved with its preprocessor
+        model.preprocessor = pre
     model.save(stage.path("tuned.keras"))
     files["model"] = os.path.join(out, "tuned.keras")
     check_interrupt()
@@ -342,7 +344,7 @@ def _write(stage, model, frz, model_path, files, metric, history, settings, firs
         "history": history,
         **settings,
         "resumed_after_epoch": first_epoch,  # history holds the epochs this run trained
-        "labels": getattr(model, "_finefreeze_labels", None),  # a preset's classes: output k is labels[k]
+        "labels": tag(model, "_finefreeze_labels", None),  # a preset's classes: output k is labels[k]
         "base": base,  # what fine-tuning started from: `finefreeze verify BASE tuned.keras` checks against it
     }
     with open(stage.path("report.json"), "w") as f:
@@ -353,7 +355,7 @@ def _write(stage, model, frz, model_path, files, metric, history, settings, firs
 
 def _base_record(model, model_path: str | None, out: str) -> dict:
     """What the run started from: the preset (path, sha256, the task built on it) or the ``.keras`` file."""
-    record = getattr(model, "_finefreeze_base", None)
+    record = tag(model, "_finefreeze_base", None)
     if record is not None:
         return {"path": record["preset"], **record}
     if model_path is None:  # the bundled model, written to --out

@@ -16,6 +16,7 @@ import numpy as np
 
 from finefreeze._cli.presets import check_preset, is_preset, load_preset, text_task
 from finefreeze._files.atomic import UserError
+from finefreeze._keras.layers import all_layers, inbound_tensors
 
 __all__ = [
     "UserError",
@@ -150,9 +151,8 @@ def _embedding_rows(model) -> int | None:
         return None
     dims = [
         layer.input_dim
-        for layer in model._flatten_layers(include_self=False)
-        if isinstance(layer, keras.layers.Embedding)
-        and any(t is src for node in layer._inbound_nodes for t in keras.tree.flatten(node.input_tensors))
+        for layer in all_layers(model, include_self=False)
+        if isinstance(layer, keras.layers.Embedding) and any(t is src for t in inbound_tensors(layer))
     ]
     return min(dims) if dims else None
 

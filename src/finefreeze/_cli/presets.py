@@ -20,6 +20,7 @@ import numpy as np
 
 from finefreeze._backends.randomness import set_seed
 from finefreeze._files.atomic import UserError
+from finefreeze._keras.instances import set_tag, tag
 
 __all__ = [
     "is_preset",
@@ -177,15 +178,19 @@ def text_task(path: str, data: str, *, sequence_length: int):
 
     x = keras.tree.map_structure(lambda t: np.asarray(keras.ops.convert_to_numpy(t)), pre(list(texts)))
     model.preprocessor = None
-    model._finefreeze_preprocessor = pre  # put back by the caller before it saves
-    model._finefreeze_labels = names  # class k stands for names[k] (report.json)
-    model._finefreeze_base = {  # what the delta records, so that `delta apply PRESET` builds this model again
-        "preset": os.path.abspath(path),
-        "sha256": digest_folder(path),
-        "task": "TextClassifier",
-        "num_classes": len(names),
-        "sequence_length": sequence_length,
-    }
+    set_tag(model, "_finefreeze_preprocessor", pre)  # put back by the caller before it saves
+    set_tag(model, "_finefreeze_labels", names)  # class k stands for names[k] (report.json)
+    set_tag(
+        model,
+        "_finefreeze_base",
+        {  # what the delta records, so that `delta apply PRESET` builds this model again
+            "preset": os.path.abspath(path),
+            "sha256": digest_folder(path),
+            "task": "TextClassifier",
+            "num_classes": len(names),
+            "sequence_length": sequence_length,
+        },
+    )
     cut = max(1, len(labels) // 10)
     train = ({k: v[:-cut] for k, v in x.items()}, labels[:-cut])
     val = ({k: v[-cut:] for k, v in x.items()}, labels[-cut:])
@@ -237,7 +242,7 @@ def task_of(model) -> dict | None:
 def new_head(model) -> list[str]:
     """Selectors (``**/<layer>/**``) of the layers of a preset's task outside its backbone: the new head, or []."""
     backbone = getattr(model, "backbone", None)
-    if backbone is None or not hasattr(model, "_finefreeze_preprocessor"):
+    if backbone is None or tag(model, "_finefreeze_preprocessor", None) is None:
         return []
     inside = {id(w) for w in backbone.weights}
     return [

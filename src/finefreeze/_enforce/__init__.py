@@ -5,5 +5,5 @@ immutable per-variable ``Layout`` (``layout``) and the ``Enforcer`` that
 carries one entry out around the inner update, with its optimizer variables
 (``enforcer``).
 
-May import: ``finefreeze._errors``, ``_backends``, ``_plan``, ``_resolve``.
+May import: the foundation (``_keras`` included), ``_backends``, ``_plan``, ``_resolve``, ``_slices``.
 """

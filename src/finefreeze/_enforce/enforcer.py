@@ -31,11 +31,10 @@ from typing import Any
 import keras
 import numpy as np
 from keras import ops
-from keras.src.utils.tracking import no_automatic_dependency_tracking as _no_tracking
 
 from finefreeze._backends.arrays import to_numpy
-from finefreeze._backends.questions import tensorflow
 from finefreeze._backends.variables import (
+    as_optimizers_see,
     assign,
     block_write,
     current,
@@ -51,9 +50,13 @@ from finefreeze._backends.variables import (
 )
 from finefreeze._enforce.layout import VarLayout
 from finefreeze._enforce.policy import family, index_dtype
-from finefreeze._enforce.slices import sliced_gradient
+from finefreeze._keras.instances import no_tracking
+from finefreeze._keras.optimizers import decay_as
+from finefreeze._keras.variables import distribution_layout
 from finefreeze._kinds import Kind
 from finefreeze._resolve.targets import remember_base
+from finefreeze._slices.choose import sliced_gradient
+from finefreeze._slices.product import spread
 
 __all__ = [
     "Enforcer",
@@ -169,7 +172,6 @@ class Enforcers:
         self.frozen_ids: set[int] = set(frozen_ids)
         self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
         self.state = state  # the inner optimizer's state by variable (optimizer.migrate.StateMap)
-        self.aged = None  # {id(inner optimizer): {variable key: born}}, made by optimizer.ages when needed
 
     def own_variables(self) -> set[int]:
         return {
@@ -216,7 +218,7 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
             name=f"{safe}.frozen_mask",
             initializer=_const(dense),
             aggregation="none",
-            layout=getattr(v, "_layout", None),  # sharded like the variable (keras.distribution)
+            layout=distribution_layout(v),  # sharded like the variable (keras.distribution)
         )
     scale = scale_value(e, enf)
     if scale is not None:
@@ -227,26 +229,10 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
             initializer=_const(scale),
             aggregation="none",
             # one scale per element: sharded like the variable; a scalar: replicated
-            layout=getattr(v, "_layout", None) if scale.shape == tuple(e.shape) and scale.ndim else None,
+            layout=distribution_layout(v) if scale.shape == tuple(e.shape) and scale.ndim else None,
         )
     enf.standin, enf.owner = e.standin, e.owner
     return enf
-
-
-def spread(standin_grad, trained: np.ndarray, shape):
-    """A stand-in's gradient as its kernel's (zero elsewhere), for ``restore`` and ``mask``, which hold dense state."""
-    size = int(np.prod(shape, dtype=np.int64))
-    if is_sparse(standin_grad):
-        # TensorFlow's rows: one whole table row per entry of the batch (frozen elements 0.0 at place 0, below
-        # the row's own elements): the table's IndexedSlices, duplicates kept, as Keras' own gradient has them
-        tf = tensorflow()
-        width = int(shape[1])
-        values = tf.reshape(standin_grad.values, (-1, width))
-        places = tf.reshape(tf.gather(tf.constant(trained), standin_grad.indices), (-1, width))
-        rows = tf.reduce_max(places // width, axis=1)
-        return tf.IndexedSlices(values, rows, tf.constant(list(shape), dtype=rows.dtype))
-    where = ops.expand_dims(ops.convert_to_tensor(trained.astype(np.int32 if size < 2**31 else np.int64)), 1)
-    return ops.reshape(ops.scatter(where, standin_grad, (size,)), shape)
 
 
 def elements(e: Enforcer, trained_only: bool) -> np.ndarray:
@@ -285,7 +271,7 @@ def _const(value):
     return init
 
 
-@_no_tracking
+@no_tracking
 def make_enforcers(add_variable, layout, var_list, saved: bool) -> Enforcers:
     """The enforcers of every variable of ``var_list`` that trains at all; ``saved``: the layout came from a file.
 
@@ -316,11 +302,7 @@ def decay_compact_like_its_variable(inner, enforcers: Enforcers) -> None:
     pattern (``"^kernel$"``) nor one that happens to match the vector's
     own name changes the maths.
     """
-    # what Keras hands _use_weight_decay: the tf.Variable (named "kernel:0") on TensorFlow
-    tf = tensorflow() is not None
-    seen = lambda v: v.value if tf and isinstance(v, keras.Variable) else v  # noqa: E731
     for o in family(inner):
         for e in enforcers.ordered:
             if e.kind == Kind.COMPACT:
-                o._use_weight_decay(seen(e.shadow))  # makes the cache exist
-                o._exclude_from_weight_decay_cache[o._var_key(e.shadow)] = o._use_weight_decay(seen(e.variable))
+                decay_as(o, as_optimizers_see(e.shadow), as_optimizers_see(e.variable))

@@ -27,13 +27,13 @@ from typing import Any
 import numpy as np
 
 from finefreeze._enforce.policy import choose_kind, compact_refusal, sparse_gradients
-from finefreeze._enforce.slices import exact_block, slice_eligible, sliced_gradient, standin_of
 from finefreeze._errors import PlanError
 from finefreeze._kinds import KINDS, Kind
 from finefreeze._resolve.masks import ElementMask
 from finefreeze._resolve.resolve import FROZEN, TRAINABLE, UNTRAINED, Resolution
 from finefreeze._resolve.standins import is_standin, kernel_of
 from finefreeze._resolve.targets import match_path, var_path
+from finefreeze._slices.choose import exact_block, slice_eligible, sliced_gradient, standin_of
 
 __all__ = [
     "Layout",

@@ -20,8 +20,9 @@ import warnings
 
 import numpy as np
 
-from finefreeze._backends.questions import jax_has_int64, keras_is_jax, keras_is_tensorflow
+from finefreeze._backends.chosen import has_int64, lookups_are_sparse
 from finefreeze._errors import FreezeWarning, PlanError
+from finefreeze._keras.optimizers import sub_optimizers
 from finefreeze._kinds import Kind
 
 __all__ = [
@@ -97,7 +98,7 @@ def index_dtype(size: int) -> str:
 
 def family(opt) -> list:
     """``opt`` and the sub-optimizers a ``MultiOptimizer`` holds."""
-    return [opt, *getattr(opt, "_inner_optimizers", [])]
+    return [opt, *sub_optimizers(opt)]
 
 
 def sparse_gradients(owner) -> bool:
@@ -109,14 +110,12 @@ def sparse_gradients(owner) -> bool:
     is the same bit for bit, and ``auto`` compacts such variables at any
     trainable fraction: state and step for the trained elements only.
     """
-    import keras
-
-    return keras_is_tensorflow() and isinstance(owner, keras.layers.Embedding)
+    return lookups_are_sparse(owner)
 
 
 def _no_int64(size: int) -> bool:
     """Whether flat indices into ``size`` elements need int64 and the backend has no int64 (JAX without x64)."""
-    return index_dtype(size) == "int64" and keras_is_jax() and not jax_has_int64()
+    return index_dtype(size) == "int64" and not has_int64()
 
 
 def choose_kind(

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from finefreeze._backends.chosen import indexes_in_int64_only
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.elements import read_elements, write_elements
-from finefreeze._backends.questions import keras_backend
 from finefreeze._errors import DeltaError
 from finefreeze._files.entries import Bound, bind, digest, read_entries
 from finefreeze._resolve.targets import collect
@@ -32,7 +32,7 @@ def _narrow(bound: list[Bound]) -> list[Bound]:
     PyTorch indexes with int64 only: its entries keep them (no conversion per switch). Their
     checks were made (:func:`bind`) and are dropped: a switch holds indices and values only.
     """
-    wide = keras_backend() == "torch"
+    wide = indexes_in_int64_only()
     for b in bound:
         b.entry.checks = []
         if wide:

@@ -18,8 +18,8 @@ import keras
 import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
-from finefreeze._enforce.slices import slice_eligible, standin_of
 from finefreeze._errors import PlanError
+from finefreeze._keras.optimizers import forget_positions
 from finefreeze._kinds import STRATEGIES, State
 from finefreeze._optimizer.wrapper import FreezingOptimizer
 from finefreeze._plan.plan import Plan
@@ -27,6 +27,7 @@ from finefreeze._report.groups import format_groups, wants_detail
 from finefreeze._report.plot import plot
 from finefreeze._report.report import KERAS_WORDS, build_report, format_summary
 from finefreeze._resolve.resolve import Resolution, VarState, closest
+from finefreeze._slices.choose import slice_eligible, standin_of
 
 __all__ = ["FreezerBase", "as_plan"]
 
@@ -197,7 +198,7 @@ class FreezerBase(abc.ABC):
         """
         opt = getattr(self._target.obj, "optimizer", None)
         while opt is not None and not isinstance(opt, FreezingOptimizer) and opt.built:
-            opt._trainable_variables_indices = {}
+            forget_positions(opt)
             keras.optimizers.Optimizer.build(opt, list(var_list))
             opt = getattr(opt, "inner_optimizer", None)
 

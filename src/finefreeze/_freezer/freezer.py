@@ -16,14 +16,14 @@ from finefreeze._errors import FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
 from finefreeze._freezer.base import FreezerBase, as_plan
 from finefreeze._freezer.keras_flags import honour_flags, set_flags, warn_switched_off, warn_switched_on
-from finefreeze._freezer.reload import adopt_checkpoint, rebuild_freezer
-from finefreeze._freezer.sliced_calls import set_sliced
+from finefreeze._freezer.reload import Resumable
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
 from finefreeze._report.state_size import describe
 from finefreeze._resolve.fingerprint import take
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
+from finefreeze._slices.calls import set_sliced
 
 __all__ = ["GRADIENTS", "Freezer"]
 
@@ -31,7 +31,7 @@ __all__ = ["GRADIENTS", "Freezer"]
 GRADIENTS = ("auto", "sliced", "dense")
 
 
-class Freezer(FreezerBase):
+class Freezer(Resumable, FreezerBase):
     """Resolve a plan against a model, set its Keras flags, and prove it held.
 
     Creating a Freezer resolves the plan at once; on a bad plan it raises
@@ -181,10 +181,6 @@ class Freezer(FreezerBase):
         sync = getattr(self._target.obj, "jax_state_sync", None)
         if sync is not None:
             sync()
-
-    def adopt_checkpoint(self, saved: dict, plan: dict | None, step: int, gradients: dict | None = None) -> None:
-        """Put in force the masks (and kernels held dense) a checkpoint saved (``load_own_variables`` calls this)."""
-        adopt_checkpoint(self, saved, plan, step, gradients)
 
     def trainable_variables_for_build(self) -> list:
         """What ``fit`` builds the optimizer on: the model's trainable variables (or this Freezer's)."""
@@ -376,41 +372,6 @@ class Freezer(FreezerBase):
         self._wrapped.append(weakref.ref(opt))
         self.last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
         return opt
-
-    @classmethod
-    def of(cls, model: Any) -> Freezer | None:
-        """The Freezer of a model compiled with a ``FreezingOptimizer``, or None.
-
-        For a model whose optimizer a Freezer's ``wrap`` made, that Freezer.
-        For a loaded model (``keras.models.load_model``) the Freezer is
-        rebuilt from what the optimizer saved: its plan when that plan still
-        resolves to the saved masks, else a plan of the saved masks
-        themselves; its fingerprint is taken now. Schedule callbacks use this,
-        so they resume a loaded model.
-
-        Args:
-            model: a Keras model.
-
-        Returns:
-            The Freezer, or None when the model has no ``FreezingOptimizer``.
-
-        Example:
-            >>> import keras, numpy as np, finefreeze as ff
-            >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
-            >>> frz = ff.Freezer(m, ff.Plan([ff.freeze("**/d/kernel[0]")]))
-            >>> m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
-            >>> ff.Freezer.of(m) is frz
-            True
-        """
-        opt = find_freezing_optimizer(model)
-        if opt is None:
-            return None
-        if opt.freezer is not None:
-            return opt.freezer
-        frz = rebuild_freezer(cls, model, opt)
-        opt.bind_freezer(frz, strong=True)
-        frz._wrapped.append(weakref.ref(opt))
-        return frz
 
     # -- delta files -------------------------------------------------------------
     def save_delta(self, path) -> dict:

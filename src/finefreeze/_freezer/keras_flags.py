@@ -22,6 +22,8 @@ import warnings
 import keras
 
 from finefreeze._errors import FreezeWarning
+from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value, set_tag, tag
+from finefreeze._keras.layers import sublayers
 from finefreeze._kinds import State
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import Rule, freeze, train
@@ -42,7 +44,7 @@ def _walk_with_parents(root):
     seen, out, parent = set(), [], {}
 
     def go(node, up):
-        for sub in getattr(node, "_layers", ()):
+        for sub in sublayers(node):
             if id(sub) not in seen:
                 seen.add(id(sub))
                 out.append(sub)
@@ -81,14 +83,14 @@ def set_layer_flags(target, res) -> bool:
         want = base_trainable(layer) and not whole
         if layer.trainable != want:
             layer.trainable, changed = want, True
-        setattr(layer, _SET, want)
+        set_tag(layer, _SET, want)
     affine = res.plan.batchnorm == "affine"
     for layer in layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             changed |= inference_mode(layer, affine)
     for s in res.states:  # the cascade may have switched variables Keras did not train
         if s.state == UNTRAINED and s.info.is_keras and s.variable.trainable != s.info.base_trainable:
-            s.variable.trainable = bool(getattr(s.variable, "_finefreeze_base_trainable", s.info.base_trainable))
+            s.variable.trainable = base_trainable(s.variable)
     return changed
 
 
@@ -100,7 +102,7 @@ def inference_mode(layer, on: bool) -> bool:
     instead (an attribute of the instance, removed when ``on`` is False;
     nothing of it is saved). Returns whether it changed.
     """
-    has = _CALL in layer.__dict__
+    has = instance_value(layer, _CALL, False)
     if on == has:
         return False
     if on:
@@ -109,11 +111,11 @@ def inference_mode(layer, on: bool) -> bool:
         def call(*args, training=None, **kwargs):
             return original(*args, training=False, **kwargs)
 
-        layer.__dict__["call"] = call
-        layer.__dict__[_CALL] = True
+        set_instance_value(layer, "call", call)
+        set_instance_value(layer, _CALL, True)
     else:
-        del layer.__dict__["call"]
-        del layer.__dict__[_CALL]
+        remove_instance_value(layer, "call")
+        remove_instance_value(layer, _CALL)
     return True
 
 
@@ -141,9 +143,9 @@ def flag_changes(target, res) -> list[tuple[str, Rule]]:
         return []
     out, done = [], set()
     for layer in _walk(target.obj):
-        if id(layer) in done or not hasattr(layer, _SET):
+        if id(layer) in done or tag(layer, _SET, None) is None:
             continue
-        was = getattr(layer, _SET)
+        was = tag(layer, _SET)
         if bool(layer.trainable) == was:
             continue
         done.update(id(x) for x in _walk(layer))
@@ -190,7 +192,7 @@ def set_flags(target, res) -> bool:
             want = s.state != FROZEN
             if s.variable.trainable != want:
                 s.variable.trainable, changed = want, True
-            setattr(s.variable, _VAR_SET, want)  # what a Freezer set last: warn_switched_on tells a user's switch
+            set_tag(s.variable, _VAR_SET, want)  # what a Freezer set last: warn_switched_on tells a user's switch
     return changed
 
 
@@ -213,7 +215,7 @@ def warn_switched_on(target, res) -> None:
         if s.state == FROZEN
         and s.info.is_keras
         and s.variable.trainable
-        and getattr(s.variable, _VAR_SET, True) is False  # a Freezer switched it off last, not on (another plan)
+        and tag(s.variable, _VAR_SET, True) is False  # a Freezer switched it off last, not on (another plan)
     ]
     if not on:
         return

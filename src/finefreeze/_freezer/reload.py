@@ -11,20 +11,26 @@ otherwise the Freezer gets a plan made of the saved masks themselves.
 from __future__ import annotations
 
 import re
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import PlanError
-from finefreeze._freezer.sliced_calls import set_sliced
 from finefreeze._kinds import Kind
 from finefreeze._optimizer.checkpoint import enforced
+from finefreeze._optimizer.wrapper import find_freezing_optimizer
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
+from finefreeze._slices.calls import set_sliced
 
-__all__ = ["adopt_checkpoint", "hold", "masks_plan", "plan_of_masks", "rebuild_freezer"]
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["Resumable", "checkpoint_plan", "held_dense", "masks_plan", "plan_of_masks", "rebuild_freezer"]
 
 
 def _exact(path: str) -> str:
@@ -105,48 +111,35 @@ def rebuild_freezer(cls, model, opt):
         plan = opt.plan if ok else masks_plan(opt)
     # files of earlier releases trained on the dense gradients: they resume bit for bit on them
     gradients = opt.saved_gradients or {"mode": "dense"}
-    frz = cls(model, plan, strategy=opt.strategy, gradients=gradients.get("mode", "dense"))
-    hold(frz, gradients)
-    opt.adopt_resolution(frz.resolution)
-    frz._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan has been in force since before the save
-    return frz
+    return cls(model, plan, strategy=opt.strategy, gradients=gradients.get("mode", "dense"))
 
 
-def hold(frz, gradients: dict | None) -> None:
-    """Hold dense the kernels a saved run held dense (``gradients="auto"``), matched to the model's paths.
+def held_dense(frz, gradients: dict | None) -> set[str] | None:
+    """The paths of the kernels a saved run held dense (``gradients="auto"``), matched to the model's paths.
 
     A ``Sequential`` model loaded from a file names its variables without the
     model's name (``big/kernel`` for ``net/big/kernel``): a saved path matches
     the one it ends with, or that ends with it.
     """
     if frz.gradients != "auto" or gradients is None:
-        return
+        return None
     paths = [s.path for s in frz.resolution.states]
     held = set()
     for p in gradients.get("held_dense", ()):
         hits = [q for q in paths if q == p] or [q for q in paths if q.endswith("/" + p) or p.endswith("/" + q)]
         if len(hits) == 1:
             held.add(hits[0])
-    if held != frz._held:
-        frz._held = held
-        if set_sliced(frz.target, frz.resolution, frz, frz.slicing, frz._held):
-            frz.follow_standins()
-            frz._retrace()
+    return held
 
 
-def adopt_checkpoint(frz, saved: dict, plan_dict: dict | None, step: int, gradients: dict | None = None) -> None:
-    """Put in force the masks a checkpoint was saved under (``Freezer.adopt_checkpoint``).
+def checkpoint_plan(frz, saved: dict, plan_dict: dict | None) -> Plan | None:
+    """The plan that puts in force the masks a checkpoint was saved under; None when they are in force already.
 
     The saved plan is taken when it resolves to exactly the saved masks (so a
     schedule recognises its stage), else a plan of the masks themselves.
-    Nothing changes when the plan in force already enforces them. The
-    kernels the run held dense are held dense again (:func:`hold`).
     """
-    frz.checkpoint_loads += 1
-    hold(frz, gradients)
     if _same(frz.resolution, saved):
-        return
-    frz.rebase()  # the model's weights were loaded just before: they are the baseline now
+        return None
     plan = None
     if plan_dict:
         try:
@@ -155,5 +148,73 @@ def adopt_checkpoint(frz, saved: dict, plan_dict: dict | None, step: int, gradie
                 plan = candidate
         except PlanError:
             plan = None
-    frz.update(plan if plan is not None else plan_of_masks(saved))
-    frz._history[-1].update(step=step, resumed=True)
+    return plan if plan is not None else plan_of_masks(saved)
+
+
+class Resumable:
+    """What a ``Freezer`` does when training resumes: a checkpoint's masks in force, a loaded model's Freezer."""
+
+    def adopt_checkpoint(self, saved: dict, plan: dict | None, step: int, gradients: dict | None = None) -> None:
+        """Put in force the masks (and kernels held dense) a checkpoint saved (``load_own_variables`` calls this).
+
+        Nothing changes when the plan in force already enforces them.
+        """
+        self.checkpoint_loads += 1
+        self._hold(held_dense(self, gradients))
+        new = checkpoint_plan(self, saved, plan)
+        if new is None:
+            return
+        self.rebase()  # the model's weights were loaded just before: they are the baseline now
+        self.update(new)
+        self._history[-1].update(step=step, resumed=True)
+
+    def _hold(self, held: set[str] | None) -> None:
+        """Hold dense the kernels at ``held`` (a saved run's, ``gradients="auto"``); None: as they are."""
+        if held is None or held == self._held:
+            return
+        self._held = held
+        if set_sliced(self._target, self._res, self, self.slicing, self._held):
+            self.follow_standins()
+            self._retrace()
+
+    @classmethod
+    def of(cls, model: Any) -> Self | None:
+        """The Freezer of a model compiled with a ``FreezingOptimizer``, or None.
+
+        For a model whose optimizer a Freezer's ``wrap`` made, that Freezer.
+        For a loaded model (``keras.models.load_model``) the Freezer is
+        rebuilt from what the optimizer saved: its plan when that plan still
+        resolves to the saved masks, else a plan of the saved masks
+        themselves; its fingerprint is taken now. Schedule callbacks use this,
+        so they resume a loaded model.
+
+        Args:
+            model: a Keras model.
+
+        Returns:
+            The Freezer, or None when the model has no ``FreezingOptimizer``.
+
+        Example:
+            >>> import keras, numpy as np, finefreeze as ff
+            >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="d")], name="m")
+            >>> frz = ff.Freezer(m, ff.Plan([ff.freeze("**/d/kernel[0]")]))
+            >>> m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+            >>> ff.Freezer.of(m) is frz
+            True
+        """
+        opt = find_freezing_optimizer(model)
+        if opt is None:
+            return None
+        if opt.freezer is not None:
+            return opt.freezer
+        frz = rebuild_freezer(cls, model, opt)
+        frz._resume(opt)
+        return frz
+
+    def _resume(self, opt) -> None:
+        """Become the Freezer of ``opt``, a loaded model's optimizer, as the saved run left it."""
+        self._hold(held_dense(self, opt.saved_gradients or {"mode": "dense"}))
+        opt.adopt_resolution(self.resolution)
+        self._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan was in force before the save
+        opt.bind_freezer(self, strong=True)
+        self._wrapped.append(weakref.ref(opt))

@@ -1,11 +1,17 @@
 """Room of the optimizer: ``FreezingOptimizer``, plan changes, state migration.
 
 Owns: the Keras wrapper (``wrapper``: delegation, ``build``, ``apply``,
-config), the plan-change transaction (``change``), carrying inner optimizer
-state across a change (``migrate``) and the gradient norms FreezeBoard reads
-(``norms``).
+config), the one owner of its enforcement state (``enforcement``: the
+enforcers, layout, resolution, step counts and the inner build; install,
+change in place, rebuild, begin / undo), carrying inner optimizer state
+across a change (``migrate``), the step counts of released elements
+(``ages``), whether the plan is in force (``in_force``), the checkpoint
+record (``checkpoint``) and the gradient norms FreezeBoard reads (``norms``).
+What it needs of a Freezer arrives as arguments (``freezer`` is passed in,
+never looked up inside ``ages``, ``in_force`` or ``checkpoint``).
 
-May import: ``finefreeze._errors``, ``_backends``, ``_plan``, ``_resolve``, ``_enforce``.
+May import: the foundation (``_keras`` included), ``_backends``, ``_plan``,
+``_resolve``, ``_slices``, ``_enforce``.
 
 ``FreezingOptimizer`` is re-exported here: model files of release 0.1 name
 ``finefreeze._optimizer`` as its module. Keras 3.15 finds the class by its

@@ -41,12 +41,34 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.arrays import to_numpy
-from finefreeze._backends.questions import keras_backend
+from finefreeze._backends.chosen import chosen
 from finefreeze._enforce.enforcer import elements
 from finefreeze._enforce.policy import family
+from finefreeze._keras.optimizers import (
+    counting_from,
+    fused_update_step,
+    iterations_variable,
+    nadam_product,
+    replace_fused_update_step,
+    replace_update_step,
+    sub_optimizers,
+    var_key,
+)
+from finefreeze._keras.variables import distribution_layout
 from finefreeze._kinds import Kind
 
-__all__ = ["STEP_COUNTS", "counting", "fits", "held", "install", "kind_of", "recount", "recount_layout", "write"]
+__all__ = [
+    "STEP_COUNTS",
+    "aged",
+    "counting",
+    "fits",
+    "held",
+    "install",
+    "kind_of",
+    "recount",
+    "recount_layout",
+    "write",
+]
 
 #: the ``step_count`` choices: from each element's release, or Keras' one count per optimizer
 STEP_COUNTS = ("release", "global")
@@ -71,7 +93,7 @@ def kind_of(inner, step_count: str) -> str:
     """
     if step_count == "global":
         return "none"
-    members = [o for o in family(inner) if not getattr(o, "_inner_optimizers", None)] or [inner]
+    members = [o for o in family(inner) if not sub_optimizers(o)] or [inner]
     kinds = {_kind_of_one(o) for o in members}
     if kinds == {"none"}:
         return "none"
@@ -86,9 +108,9 @@ def _state_positions(e) -> tuple[np.ndarray, np.ndarray]:
     return idx, np.ones(idx.size, bool)
 
 
-def _product(opt):
+def _product(state):
     """The inner optimizer's running product of Nadam's momentum schedule (``u_product``), or None."""
-    return next((o._u_product for o in family(opt.inner_optimizer) if hasattr(o, "_u_product")), None)
+    return next((p for o in family(state.inner) if (p := nadam_product(o)) is not None), None)
 
 
 def held(e) -> tuple | None:
@@ -144,20 +166,19 @@ def _after(kind: str, step: int, idx, trained, old_elements, old, product):
     return full, prod
 
 
-def _own_product(opt):
-    product = _product(opt)
+def _own_product(state):
+    product = _product(state)
     return None if product is None else float(to_numpy(product))
 
 
-def recount(opt, e, old: tuple | None):
+def recount(state, e, old: tuple | None):
     """``e``'s ``(born, product)`` after a change; ``old`` is ``(elements, held)`` from before (see :func:`held`)."""
     idx, trained = _state_positions(e)
-    step = int(to_numpy(opt.iterations))
     old_elements, before = old if old is not None else (None, None)
-    return _after(opt._count_kind, step, idx, trained, old_elements, before, _own_product(opt))
+    return _after(state.count_kind, state.step(), idx, trained, old_elements, before, _own_product(state))
 
 
-def recount_layout(opt, layout_entry, e):
+def recount_layout(state, layout_entry, e):
     """The ``(born, product)`` ``e`` would hold once ``layout_entry`` (same kind, new mask) is in force."""
     size = int(np.prod(layout_entry.shape, dtype=np.int64))
     if layout_entry.kind == Kind.COMPACT:
@@ -167,9 +188,8 @@ def recount_layout(opt, layout_entry, e):
         idx = np.arange(size)
         mask = layout_entry.mask
         trained = np.ones(size, bool) if mask is None else ~mask.dense().reshape(-1)
-    step = int(to_numpy(opt.iterations))
     old = elements(e, trained_only=True), held(e)
-    return _after(opt._count_kind, step, idx, trained, *old, _own_product(opt))
+    return _after(state.count_kind, state.step(), idx, trained, *old, _own_product(state))
 
 
 def fits(e, value) -> bool:
@@ -181,9 +201,9 @@ def fits(e, value) -> bool:
     return np.ndim(value[0]) == 0 or tuple(e.born.shape) != ()
 
 
-def _variable(opt, e, name: str, array: np.ndarray):
-    layout = getattr(e.variable, "_layout", None) if array.shape == tuple(e.shape) and array.ndim else None
-    return opt.add_variable(
+def _variable(state, e, name: str, array: np.ndarray):
+    layout = distribution_layout(e.variable) if array.shape == tuple(e.shape) and array.ndim else None
+    return state.add_variable(
         shape=array.shape,
         dtype=str(array.dtype),
         name=f"{e.path.replace('/', '.')}.{name}",
@@ -193,14 +213,19 @@ def _variable(opt, e, name: str, array: np.ndarray):
     )
 
 
-def write(opt, e, value) -> None:
-    """Put ``value`` (``(born, product)``) in ``e``: assigned where it fits, else new optimizer variables."""
+def write(state, e, value) -> tuple | None:
+    """Put ``value`` (``(born, product)``) in ``e``'s variables where it fits; else the new variables that hold it.
+
+    Returns:
+        None when written, else ``(born, product or None)``: new optimizer
+        variables for ``e`` (its owner, ``Enforcement``, puts them in).
+    """
     if value is None:
         if e.born is not None:
             e.born.assign(np.zeros(e.born.shape, np.int32))
             if e.u_product is not None:
-                e.u_product.assign(np.full(e.u_product.shape, _own_product(opt), np.float32))
-        return
+                e.u_product.assign(np.full(e.u_product.shape, _own_product(state), np.float32))
+        return None
     born, product = (np.asarray(v) if v is not None else None for v in value)
     born = born.astype(np.int32)
     if born.ndim and e.kind != Kind.COMPACT:  # one per element of the variable, else of the compact vector
@@ -210,23 +235,14 @@ def write(opt, e, value) -> None:
         e.born.assign(np.broadcast_to(born, e.born.shape))
         if e.u_product is not None and product is not None:
             e.u_product.assign(np.broadcast_to(product.astype(np.float32), e.u_product.shape))
-        return
-    e.born = _variable(opt, e, "born", born)
-    if product is not None:
-        e.u_product = _variable(opt, e, "u_product", product.astype(np.float32))
-    opt._enforcers.aged = None
+        return None
+    made = None if product is None else _variable(state, e, "u_product", product.astype(np.float32))
+    return _variable(state, e, "born", born), made
 
 
-def _aged(fo, o) -> dict:
-    """``{o._var_key(inner variable): enforcer}`` of the enforcers with a release step, cached per enforcer set."""
-    enf = fo._enforcers
-    cache = getattr(enf, "aged", None)
-    if cache is None:
-        cache = enf.aged = {}
-    mine = cache.get(id(o))
-    if mine is None:
-        mine = cache[id(o)] = {o._var_key(e.inner_variable): e for e in enf.ordered if e.born is not None}
-    return mine
+def aged(enforcers, o) -> dict:
+    """``{var_key(o, inner variable): enforcer}`` of the enforcers with a release step."""
+    return {var_key(o, e.inner_variable): e for e in enforcers.ordered if e.born is not None}
 
 
 @contextlib.contextmanager
@@ -236,64 +252,50 @@ def counting(o, born, product=None, advance: bool = True):
     ``advance``: first move ``product`` on by this step's factor, as Nadam's
     ``_backend_update_step`` moves its own (PyTorch's fused Nadam does it itself).
     """
-    total = o._iterations
+    total = iterations_variable(o)
     local = ops.subtract(total, ops.cast(born, total.dtype))
-    own = getattr(o, "_u_product", None)
-    if product is not None and own is not None:
-        if advance:
-            factor = 1.0 - 0.5 * ops.power(0.96, ops.cast(local + 1, own.dtype))
-            # in the order of the step a fresh optimizer takes: PyTorch's fused Nadam, else Nadam's own
-            o.assign(
-                product, product * (o.beta_1 * factor) if keras_backend() == "torch" else product * o.beta_1 * factor
-            )
-        object.__setattr__(o, "_u_product", product)
-    object.__setattr__(o, "_iterations", local)
-    try:
+    own = nadam_product(o)
+    if product is not None and own is not None and advance:
+        factor = 1.0 - 0.5 * ops.power(0.96, ops.cast(local + 1, own.dtype))
+        o.assign(product, chosen().nadam_product_step(product, o.beta_1, factor))
+    with counting_from(o, local, product if own is not None else None):
         yield
-    finally:
-        object.__setattr__(o, "_iterations", total)
-        if product is not None and own is not None:
-            object.__setattr__(o, "_u_product", own)
 
 
-def install(fo) -> None:
-    """Make each inner optimizer of ``fo`` count a released variable's steps from its release (once per optimizer)."""
-    if fo._count_kind == "none":
+def install(state) -> None:
+    """Make each inner optimizer count a released variable's steps from its release (once per optimizer)."""
+    if state.count_kind == "none":
         return
-    for o in family(fo.inner_optimizer):
-        if "_finefreeze_counts" in vars(o):
+    for o in family(state.inner):
+        if not replace_update_step(o, lambda plain, o=o: _update_step(state, o, plain)):
             continue
-        vars(o)["_finefreeze_counts"] = True
-        _wrap_update_step(fo, o)
-        if keras_backend() == "torch" and hasattr(o, "_parallel_update_step"):
-            _wrap_parallel(fo, o)
+        fused = fused_update_step(o)
+        if fused is not None:
+            replace_fused_update_step(o, _parallel(state, o, fused))
 
 
-def _wrap_update_step(fo, o) -> None:
-    plain = o.update_step
-
+def _update_step(state, o, plain):
     def update_step(gradient, variable, learning_rate):
-        e = _aged(fo, o).get(o._var_key(variable))
+        e = state.aged(o).get(var_key(o, variable))
         if e is None:
             return plain(gradient, variable, learning_rate)
         with counting(o, e.born.value, e.u_product):
             return plain(gradient, variable, learning_rate)
 
-    vars(o)["update_step"] = update_step
+    return update_step
 
 
-def _wrap_parallel(fo, o) -> None:
+def _parallel(state, o, parallel):
     """PyTorch: variables grouped by a shared release step; one with several steps takes ``update_step``."""
-    parallel = o._parallel_update_step
     per_variable = type(o).update_step
 
-    def _parallel_update_step(grads, variables, learning_rate):
-        aged = _aged(fo, o)
+    def parallel_update_step(grads, variables, learning_rate):
+        aged = state.aged(o)
         if not aged:
             return parallel(grads, variables, learning_rate)
         groups: dict = {}
         for g, v in zip(grads, variables):
-            e = aged.get(o._var_key(v))
+            e = aged.get(var_key(o, v))
             if e is not None and tuple(e.born.shape):
                 with counting(o, e.born.value, e.u_product):
                     per_variable(o, g, v, learning_rate)
@@ -310,4 +312,4 @@ def _wrap_parallel(fo, o) -> None:
                 with counting(o, e.born.value, e.u_product, advance=False):
                     parallel(gs, vs, learning_rate)
 
-    vars(o)["_parallel_update_step"] = _parallel_update_step
+    return parallel_update_step

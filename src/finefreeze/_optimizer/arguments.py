@@ -7,12 +7,10 @@ Keras optimizer that is neither another ``FreezingOptimizer`` nor a
 
 from __future__ import annotations
 
-import inspect
-
 import keras
-from keras.src.optimizers.base_optimizer import BaseOptimizer
 
 from finefreeze._errors import PlanError
+from finefreeze._keras.optimizers import base_settings, built_on
 from finefreeze._kinds import STRATEGIES
 from finefreeze._plan.plan import Plan
 
@@ -55,7 +53,7 @@ def refuse_arguments(wrapper: type, inner_optimizer, plan, strategy: str, kwargs
         PlanError: unknown strategy or step count, or ``plan`` is not a Plan.
     """
     if kwargs:
-        settings = set(inspect.signature(BaseOptimizer.__init__).parameters)
+        settings = base_settings()
         unknown = sorted(k for k in kwargs if k not in settings)
         if unknown:
             raise TypeError(
@@ -88,7 +86,7 @@ def refuse_arguments(wrapper: type, inner_optimizer, plan, strategy: str, kwargs
     if inner_optimizer.built:
         raise ValueError(
             f"the {type(inner_optimizer).__name__} to wrap is already built on "
-            f"{len(inner_optimizer._trainable_variables)} variables; wrap a new, unbuilt optimizer."
+            f"{len(built_on(inner_optimizer))} variables; wrap a new, unbuilt optimizer."
         )
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")

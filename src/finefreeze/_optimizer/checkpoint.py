@@ -25,7 +25,6 @@ import numpy as np
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._kinds import Kind
-from finefreeze._optimizer import ages, migrate
 
 __all__ = [
     "KEY",
@@ -142,7 +141,7 @@ def enforced(shape, mask, index, scale, default=1.0) -> tuple[str, np.ndarray | 
     return ("partial" if frozen is not None else "train", frozen, out)
 
 
-def load(opt, store) -> bool:
+def load(opt, state, store, frz) -> bool:
     """Load ``store`` into ``opt`` through its record; False when Keras' own loading should run instead.
 
     With a record and a Freezer, the saved masks are put in force first, so
@@ -153,11 +152,10 @@ def load(opt, store) -> bool:
     position as usual.
     """
     rec = read(store)
-    frz = opt.freezer
     if rec is None:
         return False
     if frz is None:
-        born_as_saved(opt, rec, store)
+        born_as_saved(state, rec, store)
         keys = positional_keys(store)
         if len(keys) != len(opt.stored_variables()):
             warnings.warn(
@@ -172,7 +170,7 @@ def load(opt, store) -> bool:
         opt.build(frz.trainable_variables_for_build())
     if frz is not None:
         frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0), rec.get("gradients"))
-        born_as_saved(opt, rec, store)
+        born_as_saved(state, rec, store)
     keys = positional_keys(store)
     stored = opt.stored_variables()
     if len(keys) != len(stored):
@@ -188,20 +186,16 @@ def load(opt, store) -> bool:
     return True
 
 
-def born_as_saved(opt, rec: dict, store) -> None:
-    """Give each enforcer the release-step variable the checkpoint holds for it, in the saved order.
+def born_as_saved(state, rec: dict, store) -> None:
+    """Give each enforcer of ``state`` the release-step variable the checkpoint holds for it, in the saved order.
 
     They are the last of the optimizer's own variables, made as the releases
     came; the values load by position with the rest.
     """
-    enforcers = list(opt.enforcers)
-    migrate.untrack(opt, [w for e in enforcers for w in (e.born, e.u_product) if w is not None])
-    for e in enforcers:
-        e.born = e.u_product = None
     saved = sorted(
         (slots["born"], path, slots.get("u_product")) for path, slots in rec["slots"].items() if "born" in slots
     )
-    if saved and opt._count_kind == "none":
+    if saved and state.count_kind == "none":
         warnings.warn(
             f"the checkpoint counts released elements' steps from their release ({len(saved)} variables), but this "
             "optimizer keeps Keras' global count (step_count='global'); the counts load and are not used. "
@@ -209,20 +203,7 @@ def born_as_saved(opt, rec: dict, store) -> None:
             FreezeWarning,
             stacklevel=5,
         )
-    for i, path, j in saved:
-        e = _same_path(path, enforcers)
-        if e is not None:
-            ages.write(opt, e, (np.asarray(store[str(i)]), None if j is None else np.asarray(store[str(j)])))
-    opt._enforcers.aged = None
-
-
-def _same_path(path: str, enforcers):
-    """The enforcer of ``path``; a model loaded on its own names its variables without the outer model's name."""
-    exact = [e for e in enforcers if e.path == path]
-    if exact:
-        return exact[0]
-    near = [e for e in enforcers if path.endswith("/" + e.path) or e.path.endswith("/" + path)]
-    return near[0] if len(near) == 1 else None
+    state.load_ages(saved, store)
 
 
 def load_plain(opt, store) -> None:
@@ -278,8 +259,8 @@ def save(opt, store) -> None:
             write(store, record(opt, variables))
 
 
-def load_into(opt, store) -> None:
-    """Load ``store`` into ``opt``: through its record (:func:`load`), else by position as Keras does."""
+def load_into(opt, state, store, frz) -> None:
+    """Load ``store`` into ``opt`` (its enforcement ``state``, bound to ``frz`` or None): by its record, else by position."""
     with _as_saved(opt):
-        if not load(opt, store):
+        if not load(opt, state, store, frz):
             load_plain(opt, store)

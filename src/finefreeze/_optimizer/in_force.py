@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 
-from finefreeze._backends.questions import keras_is_jax
+from finefreeze._backends.chosen import trainer_pairs_by_position
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._resolve.resolve import PARTIAL, TRAINABLE
 from finefreeze._resolve.standins import is_standin
@@ -31,17 +31,16 @@ __all__ = [
 ]
 
 
-def trains_outside(opt, var_list=None) -> list[str]:
-    """Paths ``opt``'s plan trains that are not in ``var_list`` (default: what it is built on)."""
-    res = opt._resolution
+def trains_outside(state, var_list) -> list[str]:
+    """Paths the plan of ``state`` (an optimizer's ``Enforcement``) trains that are not in ``var_list``."""
+    res = state.resolution
     if res is None:
         return []
-    var_list = opt._trainable_variables if var_list is None else var_list
     given = {id(v) for v in var_list} | {id(getattr(v, "value", v)) for v in var_list}
     return [s.path for s in res.trainable_states if id(s.variable) not in given and id(s.info.raw) not in given]
 
 
-def check_at_build(opt, var_list) -> None:
+def check_at_build(state, var_list, frz) -> None:
     """At build: warn when ``var_list`` leaves out what the plan trains; refuse it where training cannot run.
 
     Keras' JAX trainer pairs the gradients of the model's trainable
@@ -52,27 +51,27 @@ def check_at_build(opt, var_list) -> None:
     Raises:
         PlanError: on JAX, the plan is not the one in force.
     """
-    if _foreign(opt, var_list):
+    if _foreign(state, var_list):
         return  # another model's variables: the layout refuses them, with its own message
-    missing = trains_outside(opt, var_list)
-    if missing and keras_is_jax() and opt.freezer is not None:
-        raise PlanError(_message(opt, missing, "would not train"))
-    extra = [var_path(v) for v in var_list if plan_freezes(opt, v)] if keras_is_jax() and _by_fit(opt, var_list) else []
+    missing = trains_outside(state, var_list)
+    if missing and trainer_pairs_by_position() and frz is not None:
+        raise PlanError(_message(frz, missing, "would not train"))
+    by_fit = trainer_pairs_by_position() and _by_fit(frz, var_list)
+    extra = [var_path(v) for v in var_list if plan_freezes(state, v)] if by_fit else []
     if extra:  # Keras' JAX trainer would pair them with optimizer variables that do not exist
         raise PlanError(
             _message(
-                opt, extra, "would reach Keras' JAX trainer with no optimizer variables to pair with", "it freezes"
+                frz, extra, "would reach Keras' JAX trainer with no optimizer variables to pair with", "it freezes"
             )
         )
-    warn_not_in_force(opt, var_list)
+    warn_not_in_force(state, var_list, frz)
 
 
-def _by_fit(opt, var_list) -> bool:
+def _by_fit(frz, var_list) -> bool:
     """Whether ``var_list`` is what ``fit`` builds on: the trainable variables of the Freezer's model.
 
     A custom loop may hand every variable, frozen ones included (they are skipped).
     """
-    frz = opt.freezer
     model = getattr(getattr(frz, "target", None), "obj", None)
     trainable = getattr(model, "trainable_variables", None) if hasattr(model, "make_train_function") else None
     return trainable is not None and {id(v) for v in var_list} == {id(v) for v in trainable}
@@ -83,14 +82,14 @@ def _which(frz) -> str:
     return f" (plan {frz.plan.rules[0]!r}, ...)" if frz is not None and frz.plan.rules else ""
 
 
-def _foreign(opt, var_list) -> bool:
-    """Whether ``var_list`` holds a variable ``opt``'s plan was not resolved against (another model's)."""
-    res = opt._resolution
+def _foreign(state, var_list) -> bool:
+    """Whether ``var_list`` holds a variable the plan of ``state`` was not resolved against (another model's)."""
+    res = state.resolution
     return res is not None and any(res.lookup(v) is None and not is_standin(v) for v in var_list)
 
 
-def _message(opt, missing, consequence: str, what: str = "it trains") -> str:
-    which = _which(opt.freezer)
+def _message(frz, missing, consequence: str, what: str = "it trains") -> str:
+    which = _which(frz)
     more = ", ..." if len(missing) > 3 else ""
     among = "are not among" if what == "it trains" else "are among"
     return (
@@ -103,26 +102,23 @@ def _message(opt, missing, consequence: str, what: str = "it trains") -> str:
     )
 
 
-def warn_not_in_force(opt, var_list) -> None:
-    """Warn once when ``var_list`` (what training hands ``opt``) leaves out variables its plan trains."""
-    key = tuple(id(v) for v in var_list)
-    if opt._not_in_force_warned or key == opt._in_force_checked:
+def warn_not_in_force(state, var_list, frz) -> None:
+    """Warn once when ``var_list`` (what training hands the optimizer) leaves out variables its plan trains."""
+    if state.warned("not in force") or not state.newly_checked(var_list):
         return  # PyTorch's eager trainer hands the same list at every step: checked once
-    opt._in_force_checked = key
-    if _foreign(opt, var_list):
+    if _foreign(state, var_list):
         return
-    missing = trains_outside(opt, var_list)
-    if not missing:
+    missing = trains_outside(state, var_list)
+    if not missing or not state.first_time("not in force"):
         return
-    opt._not_in_force_warned = True
     warnings.warn(
-        _message(opt, missing, "would not train"),
+        _message(frz, missing, "would not train"),
         FreezeWarning,
         stacklevel=4,
     )
 
 
-def check_stateless(opt, trainable_variables) -> None:
+def check_stateless(built: list | None, trainable_variables, frz) -> None:
     """Refuse a step of Keras' JAX trainer handing ``opt`` other variables than it was built on (count or shapes).
 
     The flags were switched to another Freezer's plan after the build
@@ -132,10 +128,8 @@ def check_stateless(opt, trainable_variables) -> None:
     Raises:
         PlanError: the plan this optimizer was built on is not the one in force.
     """
-    if not opt.built:
+    if built is None:
         return
-    frz = opt.freezer
-    built = opt._trainable_variables
     if [tuple(v.shape) for v in trainable_variables] != [tuple(v.shape) for v in built]:
         if frz is None and len(trainable_variables) < len(built):  # its stand-ins went with the Freezer
             raise PlanError(
@@ -155,18 +149,17 @@ def check_stateless(opt, trainable_variables) -> None:
         )
 
 
-def warn_unbound(opt) -> None:
+def warn_unbound(state, saved_gradients: dict | None, frz) -> None:
     """Warn once when a loaded model trains without its Freezer while the saved run sliced its kernels.
 
     Without ``Freezer.of(model)`` no layer computes a slice's own gradient: the
     frozen elements stay exact, the trained ones take the dense gradient and
     differ from the saved run's by float rounding.
     """
-    saved = opt.saved_gradients or {}
+    saved = saved_gradients or {}
     mode = saved.get("mode", "dense")
-    if opt.freezer is not None or not saved.get("sliced") or opt._unbound_warned:
-        return  # bound, or the saved run sliced nothing
-    opt._unbound_warned = True
+    if frz is not None or not saved.get("sliced") or not state.first_time("unbound"):
+        return  # bound, or the saved run sliced nothing, or warned
     warnings.warn(
         f"this model was saved training with gradients={mode!r}, and trains now without its Freezer: its "
         "kernels take the dense gradient (frozen elements stay exact; trained ones differ from the saved run "
@@ -176,9 +169,9 @@ def warn_unbound(opt) -> None:
     )
 
 
-def not_built_on(opt, v) -> PlanError:
-    """The error for a gradient of ``v``, a variable ``opt`` was not built on."""
-    if opt._resolution is not None and opt._resolution.lookup(v) is not None:  # trains: plan_freezes is False
+def not_built_on(state, v) -> PlanError:
+    """The error for a gradient of ``v``, a variable the optimizer of ``state`` was not built on."""
+    if state.resolution is not None and state.resolution.lookup(v) is not None:  # trains: plan_freezes is False
         return PlanError(
             f"FreezingOptimizer got a gradient for {var_path(v)!r}, which its plan trains but it was "
             "not built on: it was built while another Freezer's plan was in force (Keras flags follow "
@@ -192,7 +185,7 @@ def not_built_on(opt, v) -> PlanError:
     )
 
 
-def plan_freezes(opt, v) -> bool:
-    """Whether ``opt``'s plan knows ``v`` and freezes it whole."""
-    st = opt._resolution.lookup(v) if opt._resolution is not None else None
+def plan_freezes(state, v) -> bool:
+    """Whether the plan of ``state`` knows ``v`` and freezes it whole."""
+    st = state.resolution.lookup(v) if state.resolution is not None else None
     return st is not None and st.state not in (TRAINABLE, PARTIAL)

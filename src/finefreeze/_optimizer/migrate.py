@@ -22,6 +22,7 @@ back to what its constructor made, and it is built again on the new list.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Any
@@ -31,6 +32,9 @@ import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._enforce.policy import family
+from finefreeze._keras.instances import patched
+from finefreeze._keras.optimizers import own_variables, retrack, untrack
+from finefreeze._keras.optimizers import unbuild as keras_unbuild
 
 __all__ = [
     "StateMap",
@@ -47,36 +51,14 @@ __all__ = [
 
 def constructor_variables(opt) -> set[int]:
     """Ids of the variables ``opt`` (and its sub-optimizers) hold before any build."""
-    return {id(w) for o in family(opt) for w in o._variables}
+    return {id(w) for o in family(opt) for w in own_variables(o)}
 
 
 def unbuild(opt, keep: set[int]) -> None:
     """Return ``opt`` to its unbuilt state, keeping the variables in ``keep`` (iterations, learning rate)."""
     for o in family(opt):
-        untrack(o, [w for w in o._variables if id(w) not in keep])
-        o._trainable_variables = []
-        o._trainable_variables_indices = {}
-        o._exclude_from_weight_decay_cache = {}  # keyed by id: new variables may reuse old ids
-        o.built = False
-
-
-def untrack(opt, variables) -> None:
-    """Remove ``variables`` from ``opt.variables`` the way Keras' tracker does."""
-    for w in variables:
-        opt._tracker.untrack(w)
-    # TensorFlow's list wrapper keeps a copy of the list to detect edits made
-    # around it; after a removal it stops looking at that copy but keeps it,
-    # and with it the removed variables.
-    state = getattr(opt._variables, "__dict__", {})
-    if variables and "_last_wrapped_list_snapshot" in state:
-        state["_last_wrapped_list_snapshot"] = None
-
-
-def retrack(opt, variables) -> None:
-    """Make ``opt``'s tracked variables exactly ``variables`` (undo of :func:`untrack` and new builds)."""
-    untrack(opt, list(opt._variables))
-    for w in variables:
-        opt._tracker.add_to_store("variables", w)
+        untrack(o, [w for w in own_variables(o) if id(w) not in keep])
+        keras_unbuild(o)
 
 
 @dataclasses.dataclass
@@ -93,9 +75,9 @@ def build_recording(opt, var_list: list) -> StateMap:
     per_element: dict[int, list] = {}
     per_variable: dict[int, list] = {}
     made: list = []
-    before = {id(w) for o in family(opt) for w in o._variables}
+    before = {id(w) for o in family(opt) for w in own_variables(o)}
 
-    def patch(o):
+    def recording(o) -> dict:
         add_variable = o.add_variable
         from_reference = o.add_variable_from_reference
         current: list = []
@@ -121,21 +103,15 @@ def build_recording(opt, var_list: list) -> StateMap:
                 per_element.setdefault(id(ref), []).append((name or "var", g, (o, initializer)))
             return w
 
-        vars(o)["add_variable"] = recording_add_variable
-        vars(o)["add_variable_from_reference"] = recording_from_reference
+        return {"add_variable": recording_add_variable, "add_variable_from_reference": recording_from_reference}
 
-    members = family(opt)
-    for o in members:
-        patch(o)
-    try:
+    with contextlib.ExitStack() as stack:
+        for o in family(opt):
+            stack.enter_context(patched(o, **recording(o)))
         opt.build(var_list)
-    finally:
-        for o in members:
-            vars(o).pop("add_variable", None)
-            vars(o).pop("add_variable_from_reference", None)
     recorded = {id(w) for ws in per_element.values() for _, w, _ in ws}
     recorded |= {id(w) for ws in per_variable.values() for _, w in ws}
-    other = [w for o in family(opt) for w in o._variables if id(w) not in before and id(w) not in recorded]
+    other = [w for o in family(opt) for w in own_variables(o) if id(w) not in before and id(w) not in recorded]
     return StateMap(per_element, per_variable, other)
 
 

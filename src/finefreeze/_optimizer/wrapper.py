@@ -18,16 +18,15 @@ import keras
 
 from finefreeze._backends.distribute import check_cross_replica, check_optimizer
 from finefreeze._backends.variables import own_buffers, write_all
-from finefreeze._enforce.enforcer import Enforcers, decay_compact_like_its_variable, make_enforcers
-from finefreeze._enforce.layout import Layout, refuse_unknown
+from finefreeze._enforce.layout import Layout
 from finefreeze._enforce.policy import refuse_nan, warn_inexact_mask
 from finefreeze._errors import PlanError
+from finefreeze._keras.optimizers import built_on
 from finefreeze._kinds import Kind
-from finefreeze._optimizer import ages, change, checkpoint, in_force, migrate, norms
+from finefreeze._optimizer import ages, checkpoint, in_force, norms
 from finefreeze._optimizer.arguments import SettingsGoInside, refuse_arguments
+from finefreeze._optimizer.enforcement import Enforcement
 from finefreeze._plan.plan import Plan
-from finefreeze._resolve.resolve import resolve
-from finefreeze._resolve.targets import collect
 
 __all__ = ["FreezingOptimizer", "find_freezing_optimizer"]
 
@@ -93,15 +92,8 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self._plan = plan
         self._strategy = strategy
         self._step_count = step_count
-        self._count_kind = ages.kind_of(inner_optimizer, step_count)
-        self._resolution = resolution
-        self._layout: Layout | None = layout
-        self._saved_layout = saved_layout
-        self._inner_base = migrate.constructor_variables(inner_optimizer)
-        self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))
-        self._mask_warned = False
-        self._not_in_force_warned = self._unbound_warned = False
-        self._in_force_checked = None  # the variable list last checked (ids)
+        kind = ages.kind_of(inner_optimizer, step_count)
+        self._enforcement = Enforcement(self, inner_optimizer, strategy, kind, resolution, layout, saved_layout)
         self._freezer_ref = None
         self._freezer_strong = None
         self.track_gradient_norms = False
@@ -126,15 +118,15 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
     @property
     def layout(self) -> Layout | None:
         """The per-variable :class:`~finefreeze._enforce.layout.Layout` it enforces (None before it knows its variables)."""
-        return self._layout
+        return self._enforcement.layout
 
     @property
     def variables(self):
-        own = self._variables + self.inner_optimizer.variables
-        if getattr(self, "track_gradient_norms", False) and self._enforcers.norms:
+        own = super().variables + self.inner_optimizer.variables
+        if getattr(self, "track_gradient_norms", False) and self._enforcement.enforcers.norms:
             # while tracked, the norms are training state: Keras' JAX trainer carries only
             # the optimizer's variables through its jitted step (never saved: see below)
-            own = own + list(self._enforcers.norms)
+            own = own + list(self._enforcement.enforcers.norms)
         return own
 
     def stored_variables(self) -> list:
@@ -151,7 +143,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             PlanError: the checkpoint's masks do not resolve against this
                 optimizer's model, or its record is newer than this release.
         """
-        checkpoint.load_into(self, store)
+        checkpoint.load_into(self, self._enforcement, store, self.freezer)
 
     @property
     def learning_rate(self):
@@ -175,11 +167,11 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
     @property
     def enforcers(self) -> tuple:
         """The enforcers of the variables it updates, in build order (empty before ``build``)."""
-        return tuple(self._enforcers.ordered)
+        return tuple(self._enforcement.enforcers.ordered)
 
     def adopt_resolution(self, resolution) -> None:
         """Take ``resolution`` as the one its layout came from (the Freezer rebuilt for a loaded model)."""
-        self._resolution = resolution
+        self._enforcement.adopt_resolution(resolution)
 
     @property
     def freezer(self):
@@ -198,60 +190,37 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         it). "Frozen": the gradient on frozen elements of partially frozen
         variables, what the plan blocked. Returns None before a tracked step.
         """
-        if not self._enforcers.norms or not self._norms_recorded:
+        got = self._enforcement.enforcers.norms
+        if not got or not self._norms_recorded:
             return None
-        return norms.read(self._enforcers.norms)
+        return norms.read(got)
 
     # -- building ------------------------------------------------------------
-    def _layout_for(self, var_list) -> Layout:
-        if self._layout is not None:
-            refuse_unknown(self._resolution, var_list)
-            return self._layout
-        if self._saved_layout is not None:
-            return Layout.from_config(self._saved_layout, var_list, self._strategy)
-        if self._resolution is None:
-            self._resolution = resolve(self._plan or Plan(), collect(list(var_list)))
-        return Layout.from_resolution(self._resolution, self._strategy, self.inner_optimizer, var_list)
-
     def build(self, var_list):
         if self.built:
             return
 
         check_optimizer(self, var_list, "FreezingOptimizer.build")
         check_cross_replica(var_list)
-        in_force.check_at_build(self, var_list)
-        layout = self._layout_for(var_list)
+        state = self._enforcement
+        in_force.check_at_build(state, var_list, self.freezer)
+        layout = state.layout_for(var_list, self._plan)
         self._warn(layout)
-        self._layout = layout
-        self._install(self._layout, var_list, None)
+        state.install(layout, var_list)
         # built on what it updates: a loaded model's optimizer is built on every variable and
         # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
-        super().build([v for v in var_list if id(v) not in self._enforcers.frozen_ids])
+        super().build([v for v in var_list if id(v) not in state.enforcers.frozen_ids])
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        in_force.check_stateless(self, trainable_variables)  # Keras' JAX trainer: the list it was built on
+        # Keras' JAX trainer: the list it was built on
+        in_force.check_stateless(built_on(self) if self.built else None, trainable_variables, self.freezer)
         return super().stateless_apply(optimizer_variables, grads, trainable_variables)
-
-    def _install(self, layout: Layout, var_list, held: dict | None, others: dict | None = None) -> None:
-        """Make the enforcers of ``layout``, build the inner optimizer on them, carry ``held`` state (a change)."""
-        enforcers = make_enforcers(self.add_variable, layout, var_list, saved=self._saved_layout is not None)
-        enforcers.norms = norms.variables()  # optimizer variables only while FreezeBoard tracks them
-        # outside the no-tracking scope: the inner optimizer tracks what it makes
-        # (Nadam's u_product is an attribute, not an add_variable)
-        enforcers.state = migrate.build_recording(self.inner_optimizer, [e.inner_variable for e in enforcers.ordered])
-        decay_compact_like_its_variable(self.inner_optimizer, enforcers)
-        self._enforcers = enforcers
-        ages.install(self)
-        if held is not None:  # a plan change; a first build starts as Keras does
-            change.put_back(enforcers.state, others or {})
-            for e in enforcers.ordered:
-                change.carry(self, e, held.get(id(e.variable)))
 
     def _warn(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
         self.refuse_nan(layout)
-        if not self._mask_warned:
-            self._mask_warned = warn_inexact_mask(self.inner_optimizer, layout)
+        if not self._enforcement.warned("mask") and warn_inexact_mask(self.inner_optimizer, layout):
+            self._enforcement.first_time("mask")
 
     def refuse_nan(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN (see ``policy.refuse_nan``).
@@ -289,24 +258,17 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         Returns:
             True when the train function must be retraced.
         """
-        self._resolution, self._plan = resolution, resolution.plan
-        if not self.built:
-            self._layout = layout
-            return False
-        if change.in_place(self, layout, var_list):
-            self._layout = layout
-            return False
-        change.rebuild(self, layout, var_list)
-        return True
+        self._plan = resolution.plan
+        return self._enforcement.commit(resolution, layout, var_list, self.built)
 
     def begin_change(self):
         """What :meth:`undo_change` needs to undo a :meth:`commit_change`."""
-        return change.begin(self)
+        return self._enforcement.begin()
 
     @staticmethod
     def undo_change(undo) -> None:
         """Undo a :meth:`commit_change`: attributes, variable lists and values as they were."""
-        change.undo(undo)
+        Enforcement.undo(undo)
 
     # -- applying ------------------------------------------------------------
     def apply(self, grads, trainable_variables=None):
@@ -317,17 +279,18 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
                     "FreezingOptimizer.apply(grads) without variables needs a built "
                     "optimizer; pass the variables (or call build) first."
                 )
-            trainable_variables = self._trainable_variables
+            trainable_variables = built_on(self)
         trainable_variables = list(trainable_variables)
         if len(grads) != len(trainable_variables):
             raise ValueError(f"got {len(grads)} gradients for {len(trainable_variables)} variables.")
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        enf = self._enforcers
-        in_force.warn_unbound(self)
-        if trainable_variables is not self._trainable_variables:
-            in_force.warn_not_in_force(self, trainable_variables)
+        state, frz = self._enforcement, self.freezer
+        enf = state.enforcers
+        in_force.warn_unbound(state, self.saved_gradients, frz)
+        if trainable_variables is not built_on(self):
+            in_force.warn_not_in_force(state, trainable_variables, frz)
         all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))
         inner_g, inner_v, pending, seen, writes, raw = [], [], [], set(), [], []
         # a sliced layer hands its trained elements' gradient to their stand-in, and none to the kernel
@@ -339,9 +302,9 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
                 continue
             e = enf.by_id.get(id(v))
             if e is None:
-                if in_force.plan_freezes(self, v):  # handed in by another plan's flags: frozen here
+                if in_force.plan_freezes(state, v):  # handed in by another plan's flags: frozen here
                     continue
-                raise in_force.not_built_on(self, v)
+                raise in_force.not_built_on(state, v)
             standin_g = to_standins.get(id(e)) if e.sliced_now() else None
             if g is None and standin_g is None and not all_steps:
                 continue
@@ -360,7 +323,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         write_all(writes)
         if self.track_gradient_norms:
             self._norms_recorded = True
-            norms.record(self._enforcers.norms, raw)
+            norms.record(enf.norms, raw)
         if inner_g:
             self.inner_optimizer.apply(inner_g, inner_v)
         else:
@@ -372,22 +335,24 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
 
     def trains_outside(self, var_list=None) -> list[str]:
         """Paths its plan trains that are not in ``var_list`` (default: what it is built on)."""
-        return in_force.trains_outside(self, var_list)
+        return in_force.trains_outside(self._enforcement, built_on(self) if var_list is None else var_list)
 
     def finalize_variable_values(self, var_list):
         if not self.built or not getattr(self.inner_optimizer, "use_ema", False):
             return
         writes = []
         pending = [
-            (e, e.prepare(None, writes)[1]) for e in self._enforcers.ordered if e.kind in (Kind.RESTORE, Kind.COMPACT)
+            (e, e.prepare(None, writes)[1])
+            for e in self._enforcement.enforcers.ordered
+            if e.kind in (Kind.RESTORE, Kind.COMPACT)
         ]
         write_all(writes)
-        self.inner_optimizer.finalize_variable_values(self.inner_optimizer._trainable_variables)
+        self.inner_optimizer.finalize_variable_values(built_on(self.inner_optimizer))
         writes = []
         for e, ctx in pending:
             e.finish(ctx, writes)
         write_all(writes)
-        own_buffers(self.inner_optimizer._trainable_variables)
+        own_buffers(built_on(self.inner_optimizer))
 
     # -- serialization -------------------------------------------------------
     def get_config(self):
@@ -397,7 +362,8 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
                 plan = self._plan.to_dict()
             except PlanError:
                 plan = None
-        layout = self._layout.to_config() if self._layout is not None else self._saved_layout
+        state = self._enforcement
+        layout = state.layout.to_config() if state.layout is not None else state.saved_layout
         frz = self.freezer
         return {
             "name": self.name,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from finefreeze._enforce.policy import sparse_gradients
-from finefreeze._enforce.slices import sliced_gradient
 from finefreeze._report.groups import batchnorm_line, build_groups, partial_label
 from finefreeze._report.state_size import optimizer_state
 from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
+from finefreeze._slices.choose import sliced_gradient
 
 __all__ = ["build_report", "format_summary"]
 

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from finefreeze._errors import PlanError
+from finefreeze._keras.layers import sublayers
 
 __all__ = ["Block", "Blocks", "blocks", "MIN_LAYERS"]
 
@@ -130,7 +131,7 @@ def layers_under(layer) -> list:
     out, seen = [], set()
 
     def walk(node):
-        for sub in getattr(node, "_layers", ()):
+        for sub in sublayers(node):
             if id(sub) not in seen:
                 seen.add(id(sub))
                 out.append(sub)

@@ -16,6 +16,8 @@ path) is dropped and remembered, so a rule that selects nothing can say why.
 
 from __future__ import annotations
 
+from finefreeze._keras.layers import sublayers
+
 __all__ = ["scoped_aliases", "drop_ambiguous_aliases", "ambiguity_note", "layer_scope"]
 
 
@@ -85,7 +87,7 @@ def layer_scope(target, layer) -> str | None:
     """The scoped path of a layer inside a Keras target (``base/Conv1``), or None if absent."""
 
     def walk(node, prefix):
-        for sub in getattr(node, "_layers", ()):
+        for sub in sublayers(node):
             path = (*prefix, sub.name)
             if sub is layer:
                 return "/".join(path)

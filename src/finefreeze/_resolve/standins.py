@@ -2,7 +2,7 @@
 
 Keras computes gradients for the variables a model trains, each in its
 variable's shape: a kernel of which 1 % trains would get a kernel-shaped
-gradient. A sliced layer (``sliced_calls``) hands the gradient of the
+gradient. A sliced layer (``_slices.calls``) hands the gradient of the
 kernel's trained elements to a *stand-in* instead, a flat variable of those
 elements alone in sorted flat order, and the kernel gets none. The
 optimizer updates the stand-in (it is ``compact``'s vector: the inner
@@ -29,6 +29,7 @@ import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.variables import eager_scope
+from finefreeze._keras.layers import add_sublayer, remove_sublayer
 
 __all__ = ["TrainedElements", "attach", "detach", "held", "is_standin", "is_standin_layer", "kernel_of"]
 
@@ -127,11 +128,10 @@ def attach(layer, variable, trained: np.ndarray, with_index: bool = False) -> Tr
         for part in layer.path.split("/"):  # its path is the layer's: ``layer/kernel_trained/values``
             scopes.enter_context(keras.name_scope(part))
         holder = TrainedElements(variable, np.asarray(trained, dtype=np.int64), name=name, with_index=with_index)
-    layer._layers.append(holder)
+    add_sublayer(layer, holder)
     return holder
 
 
 def detach(layer, holder: TrainedElements) -> None:
     """Take the stand-in ``holder`` out of ``layer``."""
-    if holder in layer._layers:
-        layer._layers.remove(holder)
+    remove_sublayer(layer, holder)

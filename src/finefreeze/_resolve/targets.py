@@ -12,6 +12,15 @@ from typing import Any
 from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._backends.read import read
 from finefreeze._errors import PlanError
+from finefreeze._keras.instances import set_tag, tag
+from finefreeze._keras.layers import (
+    embeddings_variable,
+    kernel_variable,
+    lora_enabled_layers,
+    module_variables,
+    own_weights,
+    sublayers,
+)
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
 from finefreeze._resolve.standins import is_standin_layer
 
@@ -49,9 +58,8 @@ def match_path(path: str, by_path: dict, what: str = "variable"):
 
 def base_trainable(obj) -> bool:
     """The ``trainable`` flag of a variable or layer before finefreeze set it."""
-    if hasattr(obj, _BASE_ATTR):
-        return getattr(obj, _BASE_ATTR)
-    return bool(getattr(obj, "trainable", True))
+    was = tag(obj, _BASE_ATTR, None)
+    return bool(getattr(obj, "trainable", True)) if was is None else was
 
 
 def _lora_base(layer, v) -> bool:
@@ -65,14 +73,14 @@ def _lora_base(layer, v) -> bool:
     non-trainable, are not.
     """
     return bool(getattr(layer, "lora_enabled", False)) and any(
-        getattr(layer, a, None) is v for a in ("_kernel", "_embeddings")
+        w is v for w in (kernel_variable(layer), embeddings_variable(layer))
     )
 
 
 def remember_base(obj) -> None:
-    if not hasattr(obj, _BASE_ATTR):
+    if tag(obj, _BASE_ATTR, None) is None:
         try:
-            setattr(obj, _BASE_ATTR, bool(obj.trainable))
+            set_tag(obj, _BASE_ATTR, bool(obj.trainable))
         except AttributeError:  # pragma: no cover - objects without __dict__
             pass
 
@@ -204,9 +212,9 @@ def _collect_keras(root) -> Target:
             return
         layer_ids.add(id(layer))
         layers.append(layer)
-        lora_root = lora_root or bool(getattr(layer, "_lora_enabled_layers", None))  # KerasHub's enable_lora
-        weights = list(layer._trainable_variables)
-        for v in weights + list(layer._non_trainable_variables):
+        lora_root = lora_root or bool(lora_enabled_layers(layer))  # KerasHub's enable_lora
+        weights, statistics = own_weights(layer)
+        for v in weights + statistics:
             if id(v) in seen:
                 continue
             seen.add(id(v))
@@ -228,7 +236,7 @@ def _collect_keras(root) -> Target:
                     switched_off=off,
                 )
             )
-        for sub in layer._layers:
+        for sub in sublayers(layer):
             if not is_standin_layer(sub):  # a sliced kernel's trained elements: the Freezer's, never a target's
                 walk(sub, (*scope, sub.name), lora_root)
 
@@ -294,7 +302,7 @@ def _collect_module(module) -> Target:
     tf = tensorflow_imported()
     import keras
 
-    pairs = module._flatten(predicate=lambda x: isinstance(x, (tf.Variable, keras.Variable)), with_path=True)
+    pairs = module_variables(module, lambda x: isinstance(x, (tf.Variable, keras.Variable)))
     by_id: dict[int, list] = {}
     order: list = []
     for path, v in pairs:

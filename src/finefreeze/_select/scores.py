@@ -18,8 +18,8 @@ import numpy as np
 from finefreeze._backends import gradients
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.questions import tensorflow_imported
-from finefreeze._backends.slices import full_gradients
 from finefreeze._errors import PlanError
+from finefreeze._slices.product import full_gradients
 
 __all__ = ["SCORES", "batches", "loss_function", "stream_scores", "static_score"]
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from finefreeze._enforce.slices import einsum_axes
+from finefreeze._slices.choose import einsum_axes
 
 __all__ = ["STRUCTURES", "choose_slices", "slice_axis"]
 

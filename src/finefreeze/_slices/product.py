@@ -51,10 +51,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from keras import ops
 
-from finefreeze._backends.questions import keras_backend
-from finefreeze._backends.variables import in_xla
+from finefreeze._backends.chosen import chosen
+from finefreeze._backends.variables import is_sparse
 
-__all__ = ["Taken", "full_gradients", "looked_up", "lookup", "sliced_product", "slicing", "wrapped"]
+__all__ = ["Taken", "full_gradients", "looked_up", "lookup", "sliced_product", "slicing", "spread", "wrapped"]
 
 _full = [0]  # inside full_gradients(): every layer computes its whole weight gradient
 
@@ -163,7 +163,7 @@ class Taken:
         if op not in self._grads:
 
             def weight_gradient(x, dy, k):
-                return self.trained(_vjp(op, self.take_x(x), self.take_kernel(k), self.take_y(dy)))
+                return self.trained(chosen().vjp(op, self.take_x(x), self.take_kernel(k), self.take_y(dy)))
 
             def rows_gradient(ids, dy, table):
                 return self.rows_of(ids, dy)
@@ -193,64 +193,8 @@ class Taken:
         row are ``0.0`` at position 0, which adds nothing); elsewhere a dense
         vector.
         """
-        n, width = self.block_shape[0], self.shape[1]
         segment = self._segments(ids)
-        dy = ops.reshape(dy, (-1, width))
-        if keras_backend() == "tensorflow":
-            return self._tf_rows(segment, dy)
-        if keras_backend() == "torch":  # Keras' segment_sum repeats every id across the row first
-            import torch
-
-            segment = segment.long()
-            inside = torch.nonzero(segment < n).squeeze(1)  # the block's entries, in their order
-            rows = torch.zeros((n, width), dtype=dy.dtype, device=dy.device)
-            rows = rows.index_add_(0, segment.index_select(0, inside), dy.index_select(0, inside))
-        else:
-            rows = ops.segment_sum(dy, segment, num_segments=n + 1)[:n]
-        return self.trained(rows)
-
-    def _tf_rows(self, segment, dy):
-        import tensorflow as tf
-
-        n, width = self.block_shape[0], self.shape[1]
-        if self.positions is None:
-            places = np.arange(n * width, dtype=np.int32).reshape(n, width)
-        else:
-            places = np.full(n * width, -1, np.int32)
-            places[self.positions] = np.arange(len(self.positions), dtype=np.int32)
-            places = places.reshape(n, width)
-        places = np.concatenate([places, np.full((1, width), -1, np.int32)])  # the spare row: outside the block
-        size = n * width if self.positions is None else len(self.positions)
-        if not in_xla():  # keep only the entries in the block (XLA needs static shapes)
-            hit = tf.reshape(tf.where(segment < n), (-1,))
-            segment, dy = tf.gather(segment, hit), tf.gather(dy, hit)
-        at = tf.gather(tf.constant(places), segment)  # (entries, width): each value's place, -1 frozen
-        used = at >= 0
-        values = tf.where(used, dy, tf.zeros_like(dy))
-        at = tf.where(used, at, tf.zeros_like(at))
-        return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(at, (-1,)), tf.constant([size]))
-
-
-def _vjp(op, x, k, dy):
-    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: the backend's own rule for ``op``."""
-    backend = keras_backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-            tape.watch(k)
-            y = op(x, k)
-        return tape.gradient(y, k, output_gradients=dy)
-    if backend == "jax":
-        import jax
-
-        return jax.vjp(lambda kk: op(x, kk), k)[1](dy)[0]
-    import torch
-
-    with torch.enable_grad():  # slices are strided views; PyTorch's CPU convolutions want them contiguous
-        kk = k.detach().contiguous().requires_grad_(True)
-        y = op(x.detach().contiguous(), kk)
-        return torch.autograd.grad(y, kk, dy.contiguous())[0]
+        return chosen().rows_gradient(self, segment, ops.reshape(dy, (-1, self.shape[1])))
 
 
 def wrapped(ids, rows: int):
@@ -305,68 +249,13 @@ def sliced_product(op: Callable, x, kernel, taken, standin, gradient_op: Callabl
     # what the backward needs beside x and dy: the kernel (a block's product), or a sampled product's indices
     residual = ops.stop_gradient(kernel) if index is None else index
     # x reaches the tap without a gradient path: its gradient is the layer's own, from op alone
-    return _TAPS[keras_backend()](y, ops.stop_gradient(x), residual, standin, weight_gradient)
+    return chosen().tap(y, ops.stop_gradient(x), residual, standin, weight_gradient)
 
 
-def _tap_tensorflow(y, x, k, s, weight_gradient):
-    import tensorflow as tf
-
-    @tf.custom_gradient
-    def tap(y, x, k, s):
-        def grad(dy):
-            g = weight_gradient(x, dy, k)
-            if isinstance(g, tf.IndexedSlices):
-                g = tf.IndexedSlices(tf.cast(g.values, s.dtype), g.indices, g.dense_shape)
-            else:
-                g = tf.cast(g, s.dtype)
-            return dy, None, None, g
-
-        return tf.identity(y), grad
-
-    return tap(y, x, k, s)
-
-
-def _tap_jax(y, x, k, s, weight_gradient):
-    import jax
-
-    dtype = s.dtype
-
-    @jax.custom_vjp
-    def tap(y, x, k, s):
-        return y
-
-    def fwd(y, x, k, s):
-        return y, (x, k)
-
-    def bwd(res, dy):
-        x, k = res
-        return dy, None, None, weight_gradient(x, dy, k).astype(dtype)
-
-    tap.defvjp(fwd, bwd)
-    return tap(y, x, k, s)
-
-
-_TORCH_TAP: list = []  # the autograd.Function, made once (torch.compile guards on its class)
-
-
-def _tap_torch(y, x, k, s, weight_gradient):
-    if not _TORCH_TAP:
-        import torch
-
-        class Tap(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, y, x, k, s, weight_gradient):
-                ctx.save_for_backward(x, k)
-                ctx.weight_gradient, ctx.dtype = weight_gradient, s.dtype
-                return y.view_as(y)
-
-            @staticmethod
-            def backward(ctx, dy):
-                x, k = ctx.saved_tensors
-                return dy, None, None, ctx.weight_gradient(x, dy, k).to(ctx.dtype), None
-
-        _TORCH_TAP.append(Tap)
-    return _TORCH_TAP[0].apply(y, x, k, s, weight_gradient)
-
-
-_TAPS: dict[str, Callable] = {"tensorflow": _tap_tensorflow, "jax": _tap_jax, "torch": _tap_torch}
+def spread(standin_grad, trained: np.ndarray, shape):
+    """A stand-in's gradient as its kernel's (zero elsewhere), for ``restore`` and ``mask``, which hold dense state."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if is_sparse(standin_grad):  # TensorFlow's rows: the table's IndexedSlices, as Keras' own gradient has them
+        return chosen().spread_sparse(standin_grad, trained, shape)
+    where = ops.expand_dims(ops.convert_to_tensor(trained.astype(np.int32 if size < 2**31 else np.int64)), 1)
+    return ops.reshape(ops.scatter(where, standin_grad, (size,)), shape)

@@ -1,19 +1,19 @@
 """Layers whose kernel's trained elements get their own gradient: their ``call``, set on the instance.
 
-For each partially frozen kernel :func:`finefreeze._enforce.slices.choose`
+For each partially frozen kernel :func:`finefreeze._slices.choose.choose`
 finds a block (or scattered elements) for, the layer gets a ``call`` of its
 own instance (in its ``__dict__``, as Python looks there first): Keras' call
 of that class line for line (``Dense``, ``EinsumDense``, the convolutions,
 ``Embedding`` and ``ReversibleEmbedding``'s lookup and tied reverse
 projection), with the kernel product (an embedding's lookup) replaced by
-:func:`finefreeze._backends.slices.sliced_product`, which hands the trained
+:func:`finefreeze._slices.product.sliced_product`, which hands the trained
 elements' gradient to a stand-in (``standins``). Nothing of it is saved:
 the layer keeps its class and its config, and a model saved while it trains
 loads as plain Keras. A layer that two live Freezers plan (two plans
 trained by turns, as a GAN's) is never sliced: the gradient the layer
 computes cannot know which plan's optimizer will apply it. The call falls
 back to the class's own when the Freezer that set it is gone, inside
-:func:`finefreeze._backends.slices.full_gradients` (``select``
+:func:`finefreeze._slices.product.full_gradients` (``select``
 scores every element) and when the Freezer's ``gradients="dense"``.
 """
 
@@ -28,19 +28,29 @@ from typing import Any
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend import set_keras_mask
 
-from finefreeze._backends.questions import keras_backend
-from finefreeze._backends.sampled import Sampled
-from finefreeze._backends.slices import Taken, looked_up, read_rows, sliced_product, slicing
-from finefreeze._enforce.slices import MARK, KernelSlice, choose
+from finefreeze._backends.chosen import lookups_are_sparse
+from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value
+from finefreeze._keras.layers import causal_padding, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
+from finefreeze._slices.choose import MARK, KernelSlice, choose
+from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
+from finefreeze._slices.sampled import Sampled
 
 __all__ = ["set_sliced"]
 
 #: the attribute of a layer holding (weakly) every Freezer that planned it: two live ones keep it dense
 CLAIMS = "_finefreeze_claims"
+
+
+def _claims(layer) -> weakref.WeakSet:
+    """The Freezers that planned ``layer`` (weakly), made empty on first use."""
+    claims = instance_value(layer, CLAIMS, None)
+    if claims is None:
+        claims = weakref.WeakSet()
+        set_instance_value(layer, CLAIMS, claims)
+    return claims
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,8 +98,8 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
         mode: the Freezer's ``gradients``. ``"dense"``: no layer is sliced (on
             TensorFlow a partially frozen ``Embedding`` still reads its table
             by rows, which changes no maths: the gradient is Keras' own);
-            ``"sliced"``: every slice (or sampled kernel) :func:`~finefreeze._enforce.slices.choose`
-            finds; ``"auto"``: those :func:`~finefreeze._enforce.slices.pays` says pay, but not the
+            ``"sliced"``: every slice (or sampled kernel) :func:`~finefreeze._slices.choose.choose`
+            finds; ``"auto"``: those :func:`~finefreeze._slices.choose.pays` says pay, but not the
             paths in ``held``.
         held: ``"auto"``: paths kept dense.
         often: the plan changes again soon (``Reselect``): under ``"auto"`` a
@@ -99,7 +109,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     if target.kind != "keras":
         return False
     held = set() if held is None else held
-    marks = {id(layer): layer.__dict__.get(MARK) for layer in target.layers if hasattr(layer, "__dict__")}
+    marks = {id(layer): instance_value(layer, MARK, None) for layer in target.layers if hasattr(layer, "__dict__")}
     want = {}
     for s in res.states:
         if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
@@ -112,19 +122,19 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
                     held.add(s.path)
                     on = False
             # TensorFlow's table read by rows changes no maths: it is the dense path too
-            if ks is not None and (eligible or (ks.kind == "rows" and keras_backend() == "tensorflow")):
+            if ks is not None and (eligible or (ks.kind == "rows" and lookups_are_sparse(s.info.owner))):
                 want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on, eligible, frozen)
     layers = [layer for layer in target.layers if hasattr(layer, "__dict__")]
     for layer in layers:
-        layer.__dict__.setdefault(CLAIMS, weakref.WeakSet()).add(owner)
-    if any(len(layer.__dict__[CLAIMS]) > 1 for layer in layers if id(layer) in want):
+        _claims(layer).add(owner)
+    if any(len(_claims(layer)) > 1 for layer in layers if id(layer) in want):
         gc.collect()  # a Freezer dropped in a reference cycle is not another plan
     for layer in layers:  # another live Freezer plans this layer: which plan's optimizer trains is not known
-        if len(layer.__dict__[CLAIMS]) > 1:
+        if len(_claims(layer)) > 1:
             want.pop(id(layer), None)
     changed = False
     for layer in layers:
-        mark = layer.__dict__.get(MARK)
+        mark = instance_value(layer, MARK, None)
         new = want.get(id(layer))
         if _same(mark, new):  # a kernel held dense keeps Keras' call whatever its slice: no retrace when it moves
             mark.owner, mark.slice = weakref.ref(owner), new[1]
@@ -152,7 +162,8 @@ def _same(mark, new) -> bool:
 
 
 def _take_call(layer, mark) -> None:
-    del layer.__dict__["call"], layer.__dict__[MARK]
+    remove_instance_value(layer, "call")
+    remove_instance_value(layer, MARK)
     if mark.holder is not None:
         detach(layer, mark.holder)
 
@@ -174,7 +185,7 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
         taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis, frozen)
     # a stand-in while the layer slices; a kernel held dense (its slice moves often) changes elements without one
     holder = attach(layer, variable, trained, with_index=ks.kind == "sampled") if on else None
-    mark = _Mark(ks, variable, weakref.ref(owner), on, layer.__dict__[CLAIMS], eligible, holder, _trained_key(frozen))
+    mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen))
     plain = type(layer).call.__get__(layer)
     if holder is not None:  # the stand-in goes with the Freezer: the model keeps no variable it would not train
         weakref.finalize(owner, detach, layer, holder)
@@ -187,59 +198,65 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
 
     index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind == "sampled" else (lambda: None)
 
-    if ks.kind in ("dense", "sampled") and not isinstance(layer, keras.layers.EinsumDense):
-
-        def call(inputs, training=None):
-            if not now():
-                return plain(inputs, training=training)
-            x = sliced_product(ops.matmul, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
-            return _bias_and_activation(layer, x)
-
-    elif ks.kind == "rows":
+    if ks.kind == "rows":
         call = _lookup_call(layer, ks, plain, taken, mark, frozen, now, standin)
+    elif ks.kind in ("dense", "einsum", "sampled"):
+        call = _product_call(layer, ks, plain, taken, now, standin, index)
+    else:
+        call = _conv_call(layer, plain, taken, now, standin)
+    set_instance_value(layer, "call", call)
+    set_instance_value(layer, MARK, mark)
 
-    elif ks.kind in ("einsum", "sampled"):
+
+def _product_call(layer, ks: KernelSlice, plain, taken, now, standin, index):
+    """The call of a ``Dense`` or ``EinsumDense`` whose trained elements get their own gradient."""
+    if ks.kind in ("dense", "sampled") and not isinstance(layer, keras.layers.EinsumDense):
+        product = ops.matmul
+    else:
 
         def product(a, k):
             return ops.einsum(layer.equation, a, k)
 
-        def call(inputs, training=None):
-            if not now():
-                return plain(inputs, training=training)
-            x = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
-            return _bias_and_activation(layer, x)
+    def call(inputs, training=None):
+        if not now():
+            return plain(inputs, training=training)
+        x = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin(), index=index())
+        return _bias_and_activation(layer, x)
 
-    else:
-        causal = isinstance(layer, keras.layers.Conv1D) and layer.padding == "causal"  # Conv1D.call pads first
+    return call
 
-        def product(a, k):
-            return ops.conv(
-                a,
-                k,
-                strides=list(layer.strides),
-                padding="valid" if causal else layer.padding,
-                dilation_rate=layer.dilation_rate,
-                data_format=layer.data_format,
-            )
 
-        def call(inputs):
-            if not now():
-                return plain(inputs)
-            if causal:
-                inputs = ops.pad(inputs, layer._compute_causal_padding())
-            outputs = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin())
-            if layer.use_bias:
-                if layer.data_format == "channels_last":
-                    bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
-                else:
-                    bias_shape = (1, layer.filters) + (1,) * layer.rank
-                outputs = ops.add(outputs, ops.reshape(layer.bias, bias_shape))
-            if layer.activation is not None:
-                return layer.activation(outputs)
-            return outputs
+def _conv_call(layer, plain, taken, now, standin):
+    """The call of a convolution whose trained elements get their own gradient (``BaseConv.call`` line for line)."""
+    causal = isinstance(layer, keras.layers.Conv1D) and layer.padding == "causal"  # Conv1D.call pads first
 
-    layer.__dict__["call"] = call
-    layer.__dict__[MARK] = mark
+    def product(a, k):
+        return ops.conv(
+            a,
+            k,
+            strides=list(layer.strides),
+            padding="valid" if causal else layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+
+    def call(inputs):
+        if not now():
+            return plain(inputs)
+        if causal:
+            inputs = ops.pad(inputs, causal_padding(layer))
+        outputs = sliced_product(product, inputs, ops.convert_to_tensor(layer.kernel), taken, standin())
+        if layer.use_bias:
+            if layer.data_format == "channels_last":
+                bias_shape = (1,) * (layer.rank + 1) + (layer.filters,)
+            else:
+                bias_shape = (1, layer.filters) + (1,) * layer.rank
+            outputs = ops.add(outputs, ops.reshape(layer.bias, bias_shape))
+        if layer.activation is not None:
+            return layer.activation(outputs)
+        return outputs
+
+    return call
 
 
 def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standin):
@@ -252,7 +269,7 @@ def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standi
     its gradient is Keras' own ``IndexedSlices``).
     """
     reversible = type(layer).call is not keras.layers.Embedding.call  # ReversibleEmbedding: its mask in call
-    tf_rows = keras_backend() == "tensorflow"
+    tf_rows = lookups_are_sparse(layer)
     transposed = Taken(ks.shape[::-1], (None, ks.index[0]), (-1, None), (None, -1), frozen, transposed=True)
 
     def lookup_call(inputs):

@@ -7,7 +7,7 @@ the column of the layer's input and ``b`` the column of its output
 gradient that the element joins. :class:`Sampled` computes those dot
 products only, gathering the columns in chunks of a bounded size, for
 ``Dense`` and ``EinsumDense`` kernels and a tied table's reverse projection;
-:func:`finefreeze._backends.slices.sliced_product` hands them to the
+:func:`finefreeze._slices.product.sliced_product` hands them to the
 kernel's stand-in.
 """
 

@@ -4,7 +4,7 @@ A kernel of a ``Dense``, ``EinsumDense`` (the attention projections of
 Keras and KerasHub) or ``Conv1D/2D/3D`` layer whose trained elements lie in
 a block (some rows, columns, output or input channels, heads: indices along
 some of its axes) gets the weight gradient of that block only
-(:func:`finefreeze._backends.slices.sliced_product`); so does the table of
+(:func:`finefreeze._slices.product.sliced_product`); so does the table of
 an ``Embedding`` (or ``ReversibleEmbedding``, KerasHub's token embedding)
 whose trained elements lie in some rows (new tokens): the gradient of those
 rows only, summed from the batch's ids. The block is the
@@ -27,7 +27,7 @@ convolutions with ``groups=1``.
 
 Example:
     >>> import keras, numpy as np
-    >>> from finefreeze._enforce.slices import kernel_slice
+    >>> from finefreeze._slices.choose import kernel_slice
     >>> d = keras.layers.Dense(8); d.build((None, 4))
     >>> frozen = np.ones((4, 8), bool); frozen[:, :2] = False
     >>> s = kernel_slice(d, d.kernel, frozen)
@@ -41,6 +41,10 @@ import dataclasses
 
 import keras
 import numpy as np
+
+from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, auto_pays, auto_samples
+from finefreeze._keras.instances import instance_value
+from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable
 
 __all__ = [
     "AUTO_PAYS",
@@ -67,32 +71,10 @@ MARK = "_finefreeze_sliced"
 #: a block of at most this fraction of its kernel gets its own weight gradient (docs/benchmarks.md)
 SLICE_AT_MOST = 0.5
 
-#: ``gradients="auto"``, per backend: the largest fraction of a kernel a block of ranges and a block with
-#: an index list (taken by a gather) get their own weight gradient at, and the fewest elements the kernel
-#: needs for it (below, the slice's taps cost more than the product they save). Measured with
-#: ``benchmarks/slices.py --only "cols 10 %,cols 10 % list,cols 25 %,cols 50 %,cols 50 % list,..."`` at
-#: widths 64, 256 and 896 (docs/benchmarks.md, *Where slicing pays*); a tie counts as paying, for the state.
-AUTO_PAYS = {
-    "tensorflow": (0.25, 0.0, 1 << 16),
-    "jax": (0.5, 0.1, 1 << 16),
-    "torch": (0.5, 0.25, 1 << 16),
-}
-
 #: ``gradients="sliced"``: the largest fraction of a ``Dense`` or ``EinsumDense`` kernel whose scattered trained
 #: elements get the sampled product; it is the memory choice (no kernel-shaped gradient), slower than the whole
 #: product from about 1 % on JAX and PyTorch on a CPU
 SAMPLE_AT_MOST = 0.05
-
-#: ``gradients="auto"``, per backend: the largest fraction of a ``Dense`` kernel (of at least the elements
-#: :data:`AUTO_PAYS` names) whose scattered trained elements get the sampled product, about where it stops
-#: paying. Measured with ``benchmarks/slices.py --only "elements 0.1 %,elements 0.1 % dense,elements 0.3 %,..."``
-#: (docs/benchmarks.md, *Scattered elements*): it paid at 0.1 % on every backend, at 0.3 % on TensorFlow and
-#: PyTorch, and at 1 % on none but (barely) TensorFlow.
-AUTO_SAMPLES = {
-    "tensorflow": 0.005,
-    "jax": 0.001,
-    "torch": 0.005,
-}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -152,27 +134,20 @@ def einsum_axes(equation: str, rank: int):
 
 def _geometry(layer, variable):
     """``(kind, x_axis, y_axis)`` of a kernel whose layer can be sliced, else None."""
-    from keras.src.layers.convolutional.base_conv import BaseConv
-
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
         return None
     call, rank = type(layer).call, len(variable.shape)
     lookups = (keras.layers.Embedding.call, getattr(getattr(keras.layers, "ReversibleEmbedding", None), "call", None))
-    if call in lookups and getattr(layer, "_embeddings", None) is variable and rank == 2:
+    if call in lookups and embeddings_variable(layer) is variable and rank == 2:
         return "rows", (0, None), (None, None)  # rows looked up by the ids, each whole
-    if getattr(layer, "_kernel", None) is not variable or rank < 2:
+    if kernel_variable(layer) is not variable or rank < 2:
         return None
     if call is keras.layers.Dense.call and rank == 2:
         return "dense", (-1, None), (None, -1)
     if call is keras.layers.EinsumDense.call:
         axes = einsum_axes(layer.equation, rank)
         return None if axes is None else ("einsum", *axes)
-    if (
-        isinstance(layer, BaseConv)
-        and call in (BaseConv.call, keras.layers.Conv1D.call)
-        and type(layer).convolution_op is BaseConv.convolution_op
-        and getattr(layer, "groups", 1) == 1
-    ):
+    if is_convolution(layer, plain=True) and getattr(layer, "groups", 1) == 1:
         channel = -1 if layer.data_format == "channels_last" else 1
         spatial = (None,) * (rank - 2)
         return "conv", spatial + (channel, None), spatial + (None, channel)
@@ -273,7 +248,7 @@ def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None =
     block = ks if ks is not None and (mode == "sliced" or pays(ks, backend)) else None
     sample = kernel_sample(layer, variable, frozen)
     if sample is not None and (mode == "sliced" or pays(sample, backend)):
-        crossover = AUTO_SAMPLES.get(backend or keras.backend.backend()) or SAMPLE_AT_MOST  # unmeasured: "sliced"'s
+        crossover = auto_samples(backend) or SAMPLE_AT_MOST  # unmeasured: "sliced"'s
         if block is None or sample.fraction / crossover < block.fraction:
             return sample, True
     return (block, True) if block is not None else (ks, False)
@@ -292,14 +267,13 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
     """
     if s.kind == "rows":
         return True
-    backend = backend or keras.backend.backend()
-    measured = AUTO_PAYS.get(backend)
+    measured = auto_pays(backend)
     if measured is None:  # a backend never measured (numpy takes no gradients): the dense path
         return False
     ranges, lists, elements = measured
     big = int(np.prod(s.shape, dtype=np.int64)) >= elements
     if s.kind == "sampled":
-        return s.fraction <= AUTO_SAMPLES[backend] and big
+        return s.fraction <= auto_samples(backend) and big
     contiguous = all(i is None or len(i) == 0 or int(i[-1]) - int(i[0]) + 1 == len(i) for i in s.index)
     return s.fraction <= (ranges if contiguous else lists) and big
 
@@ -312,13 +286,13 @@ def slice_eligible(owner, variable) -> KernelSlice | None:
     gradient for a while (a FreezeBoard recording norms, a plan that changes
     often) keeps the optimizer variables it had.
     """
-    mark = getattr(owner, "__dict__", {}).get(MARK)
+    mark = instance_value(owner, MARK, None)
     return mark.slice if mark is not None and mark.variable is variable and mark.eligible else None
 
 
 def standin_of(owner, variable):
     """The stand-in variable (the trained elements of ``variable``) ``owner``'s call hands their gradient to, or None."""
-    mark = getattr(owner, "__dict__", {}).get(MARK)
+    mark = instance_value(owner, MARK, None)
     if mark is None or mark.variable is not variable or not mark.eligible:
         return None
     return mark.standin
@@ -326,7 +300,7 @@ def standin_of(owner, variable):
 
 def sliced_gradient(owner, variable) -> KernelSlice | None:
     """The slice whose weight gradient ``owner``'s call computes for ``variable`` now (None: the dense gradient)."""
-    mark = getattr(owner, "__dict__", {}).get(MARK)
+    mark = instance_value(owner, MARK, None)
     return mark.slice if mark is not None and mark.variable is variable and mark.now() else None
 
 

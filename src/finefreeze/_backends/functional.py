@@ -1,0 +1,207 @@
+"""The backend interface, as JAX, PyTorch and Keras' NumPy backend share it: functional writes, dense gradients.
+
+Every backend module (``tensorflow``, ``jax``, ``torch``) implements the
+functions below; :func:`finefreeze._backends.chosen.chosen` picks one module
+once, by the Keras backend in force, and the rest of finefreeze calls the
+interface through ``variables``, ``elements`` and ``_slices.product``. JAX and
+PyTorch take these as they are where they do not override them; Keras'
+NumPy backend takes them all (it computes no gradients: nothing trains).
+
+The interface:
+
+- reads: :func:`snapshot`, :func:`current`, :func:`current_value`,
+  :func:`as_optimizers_see`;
+- gradients: :func:`is_sparse`, :func:`densify`,
+  :func:`select_frozen_to_zero`, :func:`take_sparse`, :func:`spread_sparse`;
+- writes: :func:`scatter_write`, :func:`block_write`, :func:`write_all`,
+  :func:`eager_scope`, :func:`own_buffers`, :func:`read_elements`,
+  :func:`write_elements`;
+- a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
+- :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`;
+- capabilities: :data:`SPARSE_LOOKUPS`, :data:`INT64_INDICES_ONLY`,
+  :data:`PAIRS_BY_POSITION`, :func:`has_int64`;
+- ``<module>.gradients.Gradients``: per-example gradients of ``select``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import keras
+import numpy as np
+from keras import ops
+
+from finefreeze._backends.read import read
+
+__all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
+    "as_optimizers_see",
+    "block_write",
+    "current",
+    "current_value",
+    "densify",
+    "eager_scope",
+    "has_int64",
+    "in_xla",
+    "is_sparse",
+    "nadam_product_step",
+    "own_buffers",
+    "prefer_in_place_updates",
+    "read_elements",
+    "rows_gradient",
+    "scatter_write",
+    "select_frozen_to_zero",
+    "snapshot",
+    "spread_sparse",
+    "take_sparse",
+    "tap",
+    "vjp",
+    "write_all",
+    "write_elements",
+]
+
+
+#: an ``Embedding``'s gradient arrives sparse (TensorFlow's ``IndexedSlices``)
+SPARSE_LOOKUPS = False
+#: tensors are indexed with int64 indices only (PyTorch's ``index_put_``)
+INT64_INDICES_ONLY = False
+#: Keras' trainer pairs the model's gradients with the optimizer's built-on variables by position (JAX)
+PAIRS_BY_POSITION = False
+
+
+def has_int64() -> bool:
+    """Whether the backend computes with 64-bit integers."""
+    return True
+
+
+def prefer_in_place_updates() -> bool:
+    """Ask the compiler to write a variable's updated part in place, where it must be asked; True if asked now."""
+    return False
+
+
+def snapshot(v):
+    """A tensor holding the variable's value now, unaffected by later writes (a copy)."""
+    return keras.ops.copy(v.value)
+
+
+def current(v):
+    """The variable's value now, read to compute a value that is then written back to it (no copy)."""
+    return v.value
+
+
+def current_value(v):
+    """The variable's value now, read densely."""
+    return v.value
+
+
+def as_optimizers_see(variable):
+    """``variable`` as Keras hands it to an optimizer's per-variable decisions (itself)."""
+    return variable
+
+
+def is_sparse(grad) -> bool:
+    """Whether ``grad`` is sparse (never, here)."""
+    return False
+
+
+def densify(grad):
+    """``grad`` as a dense tensor."""
+    return keras.ops.convert_to_tensor(grad)
+
+
+def select_frozen_to_zero(mask, grad):
+    """``grad`` with frozen elements (``mask`` True) selected to 0 (``where``, never a product)."""
+    grad = densify(grad)
+    return keras.ops.where(mask, keras.ops.zeros_like(grad), grad)
+
+
+def take_sparse(grad, idx, shape, rows):
+    """A sparse gradient's elements at ``idx`` (never reached: no sparse gradients here)."""
+    raise TypeError(f"no sparse gradients on this backend, got {type(grad).__name__}")
+
+
+def spread_sparse(standin_grad, trained: np.ndarray, shape):
+    """A sparse stand-in gradient as its kernel's (never reached: no sparse gradients here)."""
+    raise TypeError(f"no sparse gradients on this backend, got {type(standin_grad).__name__}")
+
+
+def _scatter(var, flat_index, values):
+    flat = keras.ops.reshape(var.value, (-1,))
+    flat = keras.ops.scatter_update(flat, keras.ops.expand_dims(flat_index, 1), values)
+    return var.assign(keras.ops.reshape(flat, var.shape))
+
+
+def scatter_write(variable, flat_index, values) -> tuple:
+    """A write (for :func:`write_all`) that scatters ``values`` into the flattened value at ``flat_index``."""
+    return (variable, _scatter, (flat_index, values))
+
+
+def _block(var, values, block=()):
+    start = [s.start or 0 for s in block]
+    return var.assign(ops.slice_update(var.value, start, values))
+
+
+def block_write(variable, block: tuple, values) -> tuple:
+    """A write (for :func:`write_all`) that updates the slice ``block`` of the value (``slice_update``)."""
+    return (variable, functools.partial(_block, block=block), (values,))
+
+
+def write_all(writes, after=()) -> None:
+    """Perform ``[(variable, fn, args)]`` writes: a plain call of each ``fn``."""
+    for var, fn, args in writes:
+        fn(var, *args)
+
+
+def eager_scope():
+    """A context where variable values can be read eagerly (any context, here)."""
+    return contextlib.nullcontext()
+
+
+def own_buffers(variables) -> None:
+    """Give each variable a buffer of its own after an overwrite that may have shared one (EMA's)."""
+    for v in variables:
+        v.assign(ops.copy(v.value))
+
+
+def read_elements(variable, index: np.ndarray | None) -> np.ndarray:
+    """A copy of ``variable``'s elements at the flat indices ``index`` (None: the whole value)."""
+    value = read(variable)
+    if index is None:
+        return np.array(value, copy=True)
+    return np.ascontiguousarray(value.reshape(-1)[index])
+
+
+def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` at the flat indices ``index`` of ``variable`` (a NumPy scatter, assigned)."""
+    flat = np.array(read(variable), copy=True).reshape(-1)
+    flat[index] = values
+    variable.assign(flat.reshape(tuple(variable.shape)))
+
+
+def tap(y, x, k, s, weight_gradient):
+    """``y`` passed on, with ``weight_gradient(x, dy, k)`` the gradient of stand-in ``s`` (no gradients here)."""
+    return y
+
+
+def vjp(op, x, k, dy):
+    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k`` (no gradients here)."""
+    raise TypeError("this Keras backend computes no gradients")
+
+
+def rows_gradient(taken, segment, dy):
+    """A table's trained rows' gradient: ``dy`` summed per row of the block (``segment``: each entry's row)."""
+    n = taken.block_shape[0]
+    return taken.trained(ops.segment_sum(dy, segment, num_segments=n + 1)[:n])
+
+
+def in_xla() -> bool:
+    """Whether the graph being built compiles with XLA (TensorFlow's question; never, here)."""
+    return False
+
+
+def nadam_product_step(product, beta_1, factor):
+    """Nadam's running product moved on by one step, in the order Keras' own Nadam takes it."""
+    return product * beta_1 * factor

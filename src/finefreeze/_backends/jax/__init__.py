@@ -1,0 +1,163 @@
+"""The backend interface on JAX (see ``functional``): immutable values, donated buffers, ``jax.custom_vjp``."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from finefreeze._backends.functional import (
+    as_optimizers_see,
+    block_write,
+    current,
+    current_value,
+    densify,
+    eager_scope,
+    in_xla,
+    is_sparse,
+    nadam_product_step,
+    own_buffers,
+    read_elements,
+    rows_gradient,
+    scatter_write,
+    select_frozen_to_zero,
+    spread_sparse,
+    take_sparse,
+    write_all,
+)
+
+__all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
+    "IN_PLACE_FLAG",
+    "as_optimizers_see",
+    "block_write",
+    "current",
+    "current_value",
+    "densify",
+    "eager_scope",
+    "has_int64",
+    "in_xla",
+    "is_sparse",
+    "nadam_product_step",
+    "own_buffers",
+    "prefer_in_place_updates",
+    "read_elements",
+    "rows_gradient",
+    "scatter_write",
+    "select_frozen_to_zero",
+    "snapshot",
+    "spread_sparse",
+    "take_sparse",
+    "tap",
+    "vjp",
+    "write_all",
+    "write_elements",
+]
+
+SPARSE_LOOKUPS = False
+INT64_INDICES_ONLY = False
+PAIRS_BY_POSITION = True  # Keras' JAX trainer: stateless_apply over the built-on list
+
+
+def has_int64() -> bool:
+    """Whether JAX computes with 64-bit integers (``jax_enable_x64``)."""
+    import jax
+
+    return bool(jax.config.jax_enable_x64)
+
+
+#: XLA on a CPU copies a donated variable that a step both reads and updates in part (a block or some
+#: elements written back into a kernel), unless its copy insertion uses region analysis (benchmarks/llm_memory.py)
+IN_PLACE_FLAG = "--xla_cpu_copy_insertion_use_region_analysis"
+
+
+def prefer_in_place_updates() -> bool:
+    """Let XLA write a variable's updated part in place (set before JAX starts; True if set now).
+
+    A partially frozen kernel's trained part is written back into the kernel
+    inside the step. XLA on a CPU keeps the kernel's old value for the
+    step's other reads with a copy of the whole kernel, unless its copy
+    insertion uses region analysis (XLA on a GPU does by default): this
+    adds ``--xla_cpu_copy_insertion_use_region_analysis=true`` to
+    ``XLA_FLAGS`` when JAX has not started yet and the user set nothing
+    for it (``=false`` in ``XLA_FLAGS`` keeps XLA's default).
+    """
+    if IN_PLACE_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return False
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return False
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {IN_PLACE_FLAG}=true".strip()
+    return True
+
+
+def snapshot(v):
+    """The variable's value itself: JAX arrays are immutable (a copy would cost a pass inside the jitted step)."""
+    return v.value
+
+
+@functools.cache
+def _scatter():
+    import jax
+
+    def scatter(value, index, values):
+        return value.reshape(-1).at[index].set(values).reshape(value.shape)
+
+    return jax.jit(scatter, donate_argnums=0)
+
+
+def _padded(index: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``index`` and ``values`` padded (the last element written again) to one of 8 lengths per power of two.
+
+    XLA compiles the scatter once per shape: kernels of one shape whose
+    trained counts differ a little (a random 1 % of each) share one program
+    instead of one each (JAX's compiled programs are memory the process keeps).
+    Padding adds at most 1/8 to the writes; an element written twice gets the same value.
+    """
+    n = int(index.size)
+    if n < 16:
+        return index, values
+    step = 1 << (n.bit_length() - 4)
+    m = -(-n // step) * step
+    if m == n:
+        return index, values
+    return np.concatenate([index, np.repeat(index[-1:], m - n)]), np.concatenate(
+        [values, np.repeat(values[-1:], m - n)]
+    )
+
+
+def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` at ``index`` with a jitted scatter that donates the variable's buffer (written in place)."""
+    variable.assign(_scatter()(variable.value, *_padded(np.asarray(index), np.asarray(values))))
+
+
+def tap(y, x, k, s, weight_gradient):
+    """``y`` through a ``jax.custom_vjp`` whose backward hands ``dy`` on and gives ``s`` its gradient."""
+    import jax
+
+    dtype = s.dtype
+
+    @jax.custom_vjp
+    def tap(y, x, k, s):
+        return y
+
+    def fwd(y, x, k, s):
+        return y, (x, k)
+
+    def bwd(res, dy):
+        x, k = res
+        return dy, None, None, weight_gradient(x, dy, k).astype(dtype)
+
+    tap.defvjp(fwd, bwd)
+    return tap(y, x, k, s)
+
+
+def vjp(op, x, k, dy):
+    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: ``jax.vjp``."""
+    import jax
+
+    return jax.vjp(lambda kk: op(x, kk), k)[1](dy)[0]

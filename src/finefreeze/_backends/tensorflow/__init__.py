@@ -1,0 +1,306 @@
+"""The backend interface on TensorFlow (see ``functional``): resource writes in place, ``tf.distribute``, sparse rows.
+
+- Writes under ``tf.distribute`` go through ``merge_call`` and
+  ``extended.update`` (every replica's copy); compact results are scattered
+  in place with ``scatter_nd_update``; a build traced inside ``tf.function``
+  reads values under ``tf.init_scope``.
+- Sparse ``IndexedSlices`` gradients (embeddings) stay sparse.
+
+Imported only when TensorFlow is the Keras backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from finefreeze._backends import functional
+from finefreeze._backends.arrays import native, unravel
+from finefreeze._backends.distribute import owner_scope
+from finefreeze._backends.functional import has_int64, nadam_product_step, prefer_in_place_updates
+
+__all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
+    "as_optimizers_see",
+    "block_write",
+    "current",
+    "current_value",
+    "densify",
+    "eager_scope",
+    "has_int64",
+    "in_xla",
+    "is_sparse",
+    "nadam_product_step",
+    "own_buffers",
+    "prefer_in_place_updates",
+    "read_elements",
+    "rows_gradient",
+    "scatter_write",
+    "select_frozen_to_zero",
+    "snapshot",
+    "spread_sparse",
+    "take_sparse",
+    "tap",
+    "vjp",
+    "write_all",
+    "write_elements",
+]
+
+SPARSE_LOOKUPS = True  # an Embedding's gradient is IndexedSlices
+INT64_INDICES_ONLY = False
+PAIRS_BY_POSITION = False
+
+
+def snapshot(v):
+    """A tensor holding the variable's value now, unaffected by later writes (``tf.identity``)."""
+    return tf.identity(native(v))
+
+
+def current(v):
+    """The variable's value now, read as :func:`snapshot` reads it."""
+    return snapshot(v)
+
+
+def current_value(v):
+    """The variable's value now, read densely: one read op, sharing the variable's buffer."""
+    return tf.convert_to_tensor(native(v))
+
+
+def as_optimizers_see(variable):
+    """The ``tf.Variable`` inside a ``keras.Variable``: what Keras' ``apply`` hands ``_use_weight_decay``."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def is_sparse(grad) -> bool:
+    """Whether ``grad`` is ``IndexedSlices`` (an embedding's gradient)."""
+    return isinstance(grad, tf.IndexedSlices)
+
+
+def densify(grad):
+    """``grad`` as a dense tensor."""
+    return tf.convert_to_tensor(grad)
+
+
+def select_frozen_to_zero(mask, grad):
+    """``grad`` with frozen elements selected to 0; ``IndexedSlices`` stay sparse (the touched rows only)."""
+    if not is_sparse(grad):
+        return functional.select_frozen_to_zero(mask, grad)
+    rows = tf.gather(mask, grad.indices)
+    values = tf.where(rows, tf.zeros_like(grad.values), grad.values)
+    return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
+
+
+def take_sparse(grad, idx, shape, block_rows=None):
+    """``IndexedSlices`` over a compact vector: the entries of ``grad`` at the sorted flat indices ``idx``.
+
+    For each row it touches, two ``searchsorted`` on ``idx`` (which XLA
+    compiles) find the run of trainable elements inside that row, and its
+    entries become entries over the vector, in their order, duplicates kept.
+    The unused slots (frozen elements) are ``0.0`` at position 0; adding
+    ``+0.0`` changes no sum, so the inner optimizer's sparse update of the
+    vector equals its update of those elements in the whole table, bit for
+    bit. A block of whole rows (``block_rows``) is found by rows.
+    """
+    if block_rows is not None:
+        return _take_rows(grad, block_rows, shape, idx.dtype)
+    row = math.prod(shape[1:])
+    k = tf.shape(idx, out_type=idx.dtype)[0]
+    start = tf.cast(grad.indices, idx.dtype) * row
+    lo = tf.searchsorted(idx, start)  # the row's first trainable element in idx
+    count = tf.searchsorted(idx, start + row) - lo
+    rows = tf.reshape(grad.values, (-1, row))
+    if not in_xla():  # keep only the entries of rows with trainable elements (XLA needs static shapes)
+        hit = tf.reshape(tf.where(count > 0), (-1,))
+        start, lo, count, rows = (tf.gather(t, hit) for t in (start, lo, count, rows))
+    slot = tf.range(row, dtype=idx.dtype)[None, :]
+    pos = tf.minimum(lo[:, None] + slot, k - 1)  # (n, row): where each slot's element sits in the vector
+    used = slot < count[:, None]
+    col = tf.where(used, tf.gather(idx, pos) - start[:, None], tf.zeros_like(pos))
+    base = tf.range(tf.shape(rows, out_type=idx.dtype)[0], dtype=idx.dtype)[:, None] * row
+    values = tf.gather(tf.reshape(rows, (-1,)), base + col)
+    values = tf.where(used, values, tf.zeros_like(values))
+    index = tf.where(used, pos, tf.zeros_like(pos))
+    return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(index, (-1,)), tf.reshape(k, (1,)))
+
+
+def _take_rows(grad, block_rows: tuple[int, int], shape, dtype):
+    """:func:`take_sparse` for a block of whole rows: the same entries, found by rows.
+
+    Each entry (a row of the table) inside the block gives its ``width``
+    elements at their place in ``compact``'s vector (the block's rows, flat),
+    in order, duplicates kept: an entry's row minus the block's first row
+    locates it. Outside the block, an XLA step keeps the entries (static
+    shapes) as ``0.0`` at position 0; a graph step drops them.
+    """
+    (lo, n), width = block_rows, math.prod(shape[1:])
+    pos = tf.cast(grad.indices, dtype) - lo
+    inside = (pos >= 0) & (pos < n)
+    rows = tf.reshape(grad.values, (-1, width))
+    if in_xla():
+        rows = tf.where(inside[:, None], rows, tf.zeros_like(rows))
+        pos = tf.where(inside, pos, tf.zeros_like(pos))
+        slot = tf.where(inside[:, None], tf.range(width, dtype=dtype)[None, :], tf.zeros((1, width), dtype))
+    else:
+        hit = tf.reshape(tf.where(inside), (-1,))
+        rows, pos = tf.gather(rows, hit), tf.gather(pos, hit)
+        slot = tf.range(width, dtype=dtype)[None, :]
+    index = pos[:, None] * width + slot
+    return tf.IndexedSlices(tf.reshape(rows, (-1,)), tf.reshape(index, (-1,)), tf.constant([n * width], dtype))
+
+
+def spread_sparse(standin_grad, trained: np.ndarray, shape):
+    """A stand-in's ``IndexedSlices`` as its table's: one whole row per entry, duplicates kept, as Keras' own.
+
+    Frozen elements of a row are ``0.0`` at place 0, below the row's own
+    elements, so each entry's row is the largest place's.
+    """
+    width = int(shape[1])
+    values = tf.reshape(standin_grad.values, (-1, width))
+    places = tf.reshape(tf.gather(tf.constant(trained), standin_grad.indices), (-1, width))
+    rows = tf.reduce_max(places // width, axis=1)
+    return tf.IndexedSlices(values, rows, tf.constant(list(shape), dtype=rows.dtype))
+
+
+def in_xla() -> bool:
+    """Whether the graph being built compiles with XLA (``jit_compile=True``), where shapes must be static."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+
+        return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    except (ImportError, AttributeError):  # an internal module moved: take the static path, always correct
+        return True
+
+
+def _scatter(var, indices, values):
+    return var.scatter_nd_update(indices, values)
+
+
+def scatter_write(variable, flat_index, values) -> tuple:
+    """A write (for :func:`write_all`) scattering in place into the variable (``(k, ndim)`` indices)."""
+    return (variable, _scatter, (unravel(flat_index, tuple(int(d) for d in variable.shape)), values))
+
+
+def _block(var, values, block=()):
+    return var[block].assign(values)  # ResourceStridedSliceAssign: in place once the step's reads are done
+
+
+def block_write(variable, block: tuple, values) -> tuple:
+    """A write (for :func:`write_all`) assigning the slice ``block`` in place (``ResourceStridedSliceAssign``)."""
+    return (variable, functools.partial(_block, block=block), (values,))
+
+
+def write_all(writes, after=()) -> None:
+    """Perform ``[(variable, fn, args)]`` writes through ``tf.distribute``'s update path.
+
+    A write from replica context goes through ``merge_call`` and
+    ``extended.update``, which runs ``fn`` on every replica's copy with that
+    replica's ``args``; a bare replica-context ``assign`` would aggregate the
+    replicas' values (``aggregation="mean"`` rounds them). ``after``: tensors
+    (the step's gradients) a graph computes before the writes, so that every
+    read sharing a written variable's buffer is done and the write is in place.
+    """
+    if not writes:
+        return
+    after = [getattr(g, "values", g) for g in after if g is not None]
+    if after and not tf.executing_eagerly():
+        with tf.control_dependencies(after):
+            write_all(writes)
+        return
+    tf_vars = [native(v) for v, _, _ in writes]
+
+    def merged(strategy, *all_args):
+        for var, (_, fn, _), args in zip(tf_vars, writes, all_args):
+            strategy.extended.update(var, fn, args=args, group=False)
+
+    args = [a for _, _, a in writes]
+    if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+        tf.__internal__.distribute.interim.maybe_merge_call(merged, tf.distribute.get_strategy(), *args)
+        return
+    with owner_scope(tf_vars):  # e.g. finalize_variable_values after fit, outside the scope
+        merged(tf.distribute.get_strategy(), *args)
+
+
+def eager_scope():
+    """A context where variable values can be read eagerly, even while TensorFlow traces a function."""
+    return tf.init_scope()
+
+
+def own_buffers(variables) -> None:
+    """Nothing: TensorFlow variables never share a buffer after an overwrite."""
+
+
+def read_elements(variable, index: np.ndarray | None) -> np.ndarray:
+    """A copy of ``variable``'s elements at ``index``: gathered from a dense read (``ResourceGatherNd``).
+
+    The read shares the variable's buffer and is gone before the next write,
+    so that write stays in place (copying the whole value to NumPy first cost
+    a pass over the variable).
+    """
+    if index is None:
+        return functional.read_elements(variable, index)
+    shape = tuple(int(d) for d in variable.shape)
+    where = np.stack(np.unravel_index(index, shape), axis=1) if shape else np.zeros((index.size, 0), np.int64)
+    return tf.raw_ops.ResourceGatherNd(
+        resource=native(variable).handle, indices=where, dtype=native(variable).dtype
+    ).numpy()
+
+
+def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` at ``index``: ``scatter_nd_update`` through :func:`write_all` (every replica's copy)."""
+    write_all([scatter_write(variable, index, values)])
+
+
+def tap(y, x, k, s, weight_gradient):
+    """``y`` through a ``tf.custom_gradient`` whose backward hands ``dy`` on and gives ``s`` its gradient."""
+
+    @tf.custom_gradient
+    def tap(y, x, k, s):
+        def grad(dy):
+            g = weight_gradient(x, dy, k)
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.IndexedSlices(tf.cast(g.values, s.dtype), g.indices, g.dense_shape)
+            else:
+                g = tf.cast(g, s.dtype)
+            return dy, None, None, g
+
+        return tf.identity(y), grad
+
+    return tap(y, x, k, s)
+
+
+def vjp(op, x, k, dy):
+    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: ``tf.GradientTape``."""
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(k)
+        y = op(x, k)
+    return tape.gradient(y, k, output_gradients=dy)
+
+
+def rows_gradient(taken, segment, dy):
+    """A table's trained rows' gradient as ``IndexedSlices`` over the stand-in, duplicates kept (Keras' own form).
+
+    Frozen elements of a row are ``0.0`` at position 0, which adds nothing.
+    """
+    n, width = taken.block_shape[0], taken.shape[1]
+    if taken.positions is None:
+        places = np.arange(n * width, dtype=np.int32).reshape(n, width)
+    else:
+        places = np.full(n * width, -1, np.int32)
+        places[taken.positions] = np.arange(len(taken.positions), dtype=np.int32)
+        places = places.reshape(n, width)
+    places = np.concatenate([places, np.full((1, width), -1, np.int32)])  # the spare row: outside the block
+    size = n * width if taken.positions is None else len(taken.positions)
+    if not in_xla():  # keep only the entries in the block (XLA needs static shapes)
+        hit = tf.reshape(tf.where(segment < n), (-1,))
+        segment, dy = tf.gather(segment, hit), tf.gather(dy, hit)
+    at = tf.gather(tf.constant(places), segment)  # (entries, width): each value's place, -1 frozen
+    used = at >= 0
+    values = tf.where(used, dy, tf.zeros_like(dy))
+    at = tf.where(used, at, tf.zeros_like(at))
+    return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(at, (-1,)), tf.constant([size]))

@@ -1,0 +1,216 @@
+"""The backend interface on PyTorch (see ``functional``): writes in place where eager, sparse embedding rows.
+
+``slice_update`` and ``scatter_update`` would copy the whole variable
+first, then ``assign`` copy it back: two passes over a table of which a few
+rows changed. An eager, contiguous variable is written in place (as Keras'
+own ``assign`` writes its value); traced (``torch.compile``) or stateless
+steps keep the functional form.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import keras
+import numpy as np
+
+from finefreeze._backends import functional
+from finefreeze._backends.functional import (
+    as_optimizers_see,
+    current,
+    current_value,
+    eager_scope,
+    has_int64,
+    in_xla,
+    own_buffers,
+    snapshot,
+    spread_sparse,
+    write_all,
+)
+from finefreeze._keras.instances import in_stateless_scope
+
+__all__ = [
+    "INT64_INDICES_ONLY",
+    "PAIRS_BY_POSITION",
+    "SPARSE_LOOKUPS",
+    "as_optimizers_see",
+    "block_write",
+    "current",
+    "current_value",
+    "densify",
+    "eager_scope",
+    "has_int64",
+    "in_xla",
+    "is_sparse",
+    "nadam_product_step",
+    "own_buffers",
+    "prefer_in_place_updates",
+    "read_elements",
+    "rows_gradient",
+    "scatter_write",
+    "select_frozen_to_zero",
+    "snapshot",
+    "spread_sparse",
+    "take_sparse",
+    "tap",
+    "vjp",
+    "write_all",
+    "write_elements",
+]
+
+SPARSE_LOOKUPS = False
+INT64_INDICES_ONLY = True  # index_put_ takes int64 indices only
+PAIRS_BY_POSITION = False
+
+prefer_in_place_updates = functional.prefer_in_place_updates
+
+
+def is_sparse(grad) -> bool:
+    """Whether ``grad`` is a PyTorch sparse tensor (a sliced embedding's rows)."""
+    return getattr(grad, "is_sparse", False) is True
+
+
+def densify(grad):
+    """``grad`` as a dense tensor."""
+    return grad.to_dense() if is_sparse(grad) else keras.ops.convert_to_tensor(grad)
+
+
+def select_frozen_to_zero(mask, grad):
+    """``grad`` (densified) with frozen elements (``mask`` True) selected to 0."""
+    return functional.select_frozen_to_zero(mask, densify(grad))
+
+
+def take_sparse(grad, idx, shape, block_rows=None):
+    """The elements at ``idx`` of a sparse gradient of rows (0 in rows it holds no value for)."""
+    import torch
+
+    grad = grad.coalesce()
+    rows, values = grad.indices()[0], grad.values().reshape(grad.indices().shape[1], -1)
+    if rows.numel() == 0:
+        return torch.zeros(idx.shape, dtype=values.dtype, device=values.device)
+    if block_rows is not None:  # a block of whole rows, flat: each row at its place
+        lo, n = block_rows
+        rows = rows - lo
+        inside = torch.nonzero((rows >= 0) & (rows < n)).squeeze(1)
+        out = torch.zeros((n, values.shape[1]), dtype=values.dtype, device=values.device)
+        return out.index_copy_(0, rows.index_select(0, inside), values.index_select(0, inside)).reshape(-1)
+    width = math.prod(shape[1:])
+    idx = idx.long()
+    want = idx // width
+    at = torch.searchsorted(rows, want).clamp(max=rows.numel() - 1)
+    found = values[at, idx % width]
+    return torch.where(rows[at] == want, found, torch.zeros_like(found))
+
+
+def _in_place(var) -> bool:
+    """Whether ``var``'s value is written in place: eager, not stateless, contiguous."""
+    import torch
+
+    return not in_stateless_scope() and not torch.compiler.is_compiling() and var.value.is_contiguous()
+
+
+def _scatter(var, flat_index, values):
+    if not _in_place(var):
+        return functional._scatter(var, flat_index, values)
+    import torch
+
+    with torch.no_grad():
+        var.value.view(-1).index_copy_(0, flat_index.long(), values.to(var.value.dtype))
+    return var
+
+
+def scatter_write(variable, flat_index, values) -> tuple:
+    """A write (for ``write_all``) that puts ``values`` at ``flat_index``: in place where eager."""
+    return (variable, _scatter, (flat_index, values))
+
+
+def _block(var, values, block=()):
+    if not _in_place(var):
+        return functional._block(var, values, block)
+    import torch
+
+    with torch.no_grad():
+        var.value[block].copy_(values)
+    return var
+
+
+def block_write(variable, block: tuple, values) -> tuple:
+    """A write (for ``write_all``) that puts ``values`` into the slice ``block``: in place where eager."""
+    return (variable, functools.partial(_block, block=block), (values,))
+
+
+def read_elements(variable, index: np.ndarray | None) -> np.ndarray:
+    """A copy of ``variable``'s elements at ``index``: indexed on the value (int64 indices, taken as they are)."""
+    if index is None or index.dtype != np.int64 or not variable.value.is_contiguous():
+        return functional.read_elements(variable, index)
+    import torch
+
+    with torch.no_grad():
+        return keras.ops.convert_to_numpy(variable.value.view(-1)[torch.from_numpy(index)])
+
+
+def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
+    """Write ``values`` at ``index``: ``index_put_`` into the flattened value under ``no_grad``."""
+    import torch
+
+    value = variable.value
+    if not value.is_contiguous():
+        functional.write_elements(variable, index, values)
+        return
+    with torch.no_grad():
+        flat = value.view(-1)
+        where = torch.from_numpy(index) if index.dtype == np.int64 else torch.as_tensor(index).long()
+        new = keras.ops.convert_to_tensor(values, dtype=variable.dtype)  # NumPy has no bfloat16 of torch's
+        flat.index_put_((where.to(flat.device),), new.to(device=flat.device, dtype=flat.dtype))
+
+
+_TAP: list = []  # the autograd.Function, made once (torch.compile guards on its class)
+
+
+def tap(y, x, k, s, weight_gradient):
+    """``y`` through a ``torch.autograd.Function`` whose backward hands ``dy`` on and gives ``s`` its gradient."""
+    if not _TAP:
+        import torch
+
+        class Tap(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, y, x, k, s, weight_gradient):
+                ctx.save_for_backward(x, k)
+                ctx.weight_gradient, ctx.dtype = weight_gradient, s.dtype
+                return y.view_as(y)
+
+            @staticmethod
+            def backward(ctx, dy):
+                x, k = ctx.saved_tensors
+                return dy, None, None, ctx.weight_gradient(x, dy, k).to(ctx.dtype), None
+
+        _TAP.append(Tap)
+    return _TAP[0].apply(y, x, k, s, weight_gradient)
+
+
+def vjp(op, x, k, dy):
+    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: ``torch.autograd.grad``."""
+    import torch
+
+    with torch.enable_grad():  # slices are strided views; PyTorch's CPU convolutions want them contiguous
+        kk = k.detach().contiguous().requires_grad_(True)
+        y = op(x.detach().contiguous(), kk)
+        return torch.autograd.grad(y, kk, dy.contiguous())[0]
+
+
+def rows_gradient(taken, segment, dy):
+    """A table's trained rows' gradient: ``index_add_`` of the block's entries (Keras' segment_sum repeats ids)."""
+    import torch
+
+    n, width = taken.block_shape[0], taken.shape[1]
+    segment = segment.long()
+    inside = torch.nonzero(segment < n).squeeze(1)  # the block's entries, in their order
+    rows = torch.zeros((n, width), dtype=dy.dtype, device=dy.device)
+    rows = rows.index_add_(0, segment.index_select(0, inside), dy.index_select(0, inside))
+    return taken.trained(rows)
+
+
+def nadam_product_step(product, beta_1, factor):
+    """Nadam's running product moved on by one step, in the order PyTorch's fused Nadam takes it."""
+    return product * (beta_1 * factor)

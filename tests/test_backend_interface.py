@@ -1,0 +1,40 @@
+"""Each backend module implements the one interface, and the one of the Keras backend in force is chosen once."""
+
+import importlib
+import inspect
+import pathlib
+
+import keras
+import pytest
+
+from backend_utils import BACKEND
+from finefreeze._backends import functional
+from finefreeze._backends.chosen import chosen
+
+#: every backend package under ``_backends``; TensorFlow's imports TensorFlow at its top: only on its backend
+PACKAGES = sorted(p.parent.name for p in pathlib.Path(functional.__file__).parent.glob("*/__init__.py"))
+MODULES = [name for name in PACKAGES if name != "tensorflow" or BACKEND == "tensorflow"]
+
+
+def test_the_three_backends_have_a_package():
+    assert {"tensorflow", "jax", "torch"} <= set(PACKAGES)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_every_backend_module_implements_the_whole_interface_with_its_signatures(name):
+    module = importlib.import_module(f"finefreeze._backends.{name}")
+    assert set(functional.__all__) <= set(module.__all__), name
+    for fn in functional.__all__:
+        mine, base = getattr(module, fn, None), getattr(functional, fn)
+        if not callable(base):  # a capability: a flag of the same type
+            assert type(mine) is type(base), f"{name}.{fn}"
+            continue
+        assert callable(mine), f"{name}.{fn}"
+        assert len(inspect.signature(mine).parameters) == len(inspect.signature(base).parameters), f"{name}.{fn}"
+    if name == BACKEND:  # select's per-example gradients: imports the framework
+        assert hasattr(importlib.import_module(f"finefreeze._backends.{name}.gradients"), "Gradients")
+
+
+def test_the_module_of_the_keras_backend_in_force_is_chosen_once():
+    assert chosen().__name__ == f"finefreeze._backends.{keras.backend.backend()}"
+    assert chosen() is chosen()
