@@ -21,36 +21,9 @@ import tensorflow as tf
 from finefreeze._backends import functional
 from finefreeze._backends.arrays import native, unravel
 from finefreeze._backends.distribute import owner_scope
-from finefreeze._backends.functional import has_int64, nadam_product_step, prefer_in_place_updates
+from finefreeze._backends.functional import *  # noqa: F403  (the defaults this module does not override)
 
-__all__ = [
-    "INT64_INDICES_ONLY",
-    "PAIRS_BY_POSITION",
-    "SPARSE_LOOKUPS",
-    "as_optimizers_see",
-    "block_write",
-    "current",
-    "current_value",
-    "densify",
-    "eager_scope",
-    "has_int64",
-    "in_xla",
-    "is_sparse",
-    "nadam_product_step",
-    "own_buffers",
-    "prefer_in_place_updates",
-    "read_elements",
-    "rows_gradient",
-    "scatter_write",
-    "select_frozen_to_zero",
-    "snapshot",
-    "spread_sparse",
-    "take_sparse",
-    "tap",
-    "vjp",
-    "write_all",
-    "write_elements",
-]
+__all__ = [*functional.__all__]  # the whole interface: ``functional``'s, some of it overridden here
 
 SPARSE_LOOKUPS = True  # an Embedding's gradient is IndexedSlices
 INT64_INDICES_ONLY = False

@@ -16,54 +16,14 @@ import keras
 import numpy as np
 
 from finefreeze._backends import functional
-from finefreeze._backends.functional import (
-    as_optimizers_see,
-    current,
-    current_value,
-    eager_scope,
-    has_int64,
-    in_xla,
-    own_buffers,
-    snapshot,
-    spread_sparse,
-    write_all,
-)
+from finefreeze._backends.functional import *  # noqa: F403  (the defaults this module does not override)
 from finefreeze._keras.instances import in_stateless_scope
 
-__all__ = [
-    "INT64_INDICES_ONLY",
-    "PAIRS_BY_POSITION",
-    "SPARSE_LOOKUPS",
-    "as_optimizers_see",
-    "block_write",
-    "current",
-    "current_value",
-    "densify",
-    "eager_scope",
-    "has_int64",
-    "in_xla",
-    "is_sparse",
-    "nadam_product_step",
-    "own_buffers",
-    "prefer_in_place_updates",
-    "read_elements",
-    "rows_gradient",
-    "scatter_write",
-    "select_frozen_to_zero",
-    "snapshot",
-    "spread_sparse",
-    "take_sparse",
-    "tap",
-    "vjp",
-    "write_all",
-    "write_elements",
-]
+__all__ = [*functional.__all__]  # the whole interface: ``functional``'s, some of it overridden here
 
 SPARSE_LOOKUPS = False
 INT64_INDICES_ONLY = True  # index_put_ takes int64 indices only
 PAIRS_BY_POSITION = False
-
-prefer_in_place_updates = functional.prefer_in_place_updates
 
 
 def is_sparse(grad) -> bool:
