@@ -132,3 +132,26 @@ def as_kernel_gradients(frz, variables, grads) -> dict:
         full.reshape(-1)[np.flatnonzero(~frz.frozen_mask(kernel.path))] = value
         out[kernel.path] = full
     return out
+
+
+def shares_its_buffer(variable) -> bool:
+    """Whether two whole reads of ``variable`` are the same memory (not a copy each: copy-on-read mode).
+
+    Each read's memory seen through DLPack (``numpy()`` would copy it).
+    """
+    import tensorflow as tf
+
+    class Exported:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def __dlpack__(self, **_):
+            return tf.experimental.dlpack.to_dlpack(self.tensor)
+
+        def __dlpack_device__(self):
+            return (1, 0)  # the CPU
+
+    raw = variable.value
+    reads = [tf.raw_ops.ReadVariableOp(resource=raw.handle, dtype=raw.dtype) for _ in range(2)]
+    a, b = (np.from_dlpack(Exported(r)).__array_interface__["data"][0] for r in reads)
+    return a == b

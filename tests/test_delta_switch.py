@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
+from backend_utils import BACKEND, shares_its_buffer
 
 VOCAB, NEW = 20, 4  # the base's table has VOCAB rows; tasks may train NEW more at its end
 
@@ -86,6 +87,18 @@ def test_switching_gives_each_delta_as_load_delta_does_and_the_base_back(deltas,
     switch.use(None)
     assert same(model, base)
     assert all(not same(model, loaded[n]) for n in PLANS)  # each delta changes something
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="copy-on-read is TensorFlow's runtime mode")
+def test_after_a_switch_whole_reads_of_the_written_variables_are_not_copies(deltas):
+    """A switch reads and writes elements (sparse ops); the next forward pass must not copy each variable it reads."""
+    model = base_model()
+    switch = ff.DeltaSwitch(model, deltas)
+    for name in [*PLANS, None]:
+        switch.use(name)
+        assert all(shares_its_buffer(v) for v in model.weights), name
+        switch.verify()  # reads the active delta's elements only
+        assert all(shares_its_buffer(v) for v in model.weights), name
 
 
 def test_ten_thousand_random_switches_then_the_base_bit_for_bit(deltas, loaded):

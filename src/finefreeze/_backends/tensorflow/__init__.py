@@ -1,9 +1,10 @@
 """The backend interface on TensorFlow (see ``functional``): resource writes in place, ``tf.distribute``, sparse rows.
 
 - Writes under ``tf.distribute`` go through ``merge_call`` and
-  ``extended.update`` (every replica's copy); compact results are scattered
-  in place with ``scatter_nd_update``; a build traced inside ``tf.function``
-  reads values under ``tf.init_scope``.
+  ``extended.update`` (every replica's copy); compact results are written
+  in place (``scatter_nd_update``, ``ResourceStridedSliceAssign``), and the
+  variable's whole reads then share its buffer again (:func:`_sharing`); a
+  build traced inside ``tf.function`` reads values under ``tf.init_scope``.
 - Sparse ``IndexedSlices`` gradients (embeddings) stay sparse.
 
 Imported only when TensorFlow is the Keras backend.
@@ -150,8 +151,28 @@ def in_xla() -> bool:
         return True
 
 
+def _sharing(var, result):
+    """``result`` (of a sparse op on ``var``), and ``var``'s whole reads sharing its buffer again.
+
+    Any sparse op on a variable (``ResourceScatterNdUpdate``,
+    ``ResourceStridedSliceAssign``, ``ResourceGather``) puts it in
+    TensorFlow's copy-on-read mode, where every whole read copies it: a
+    kernel's forward read, held to the backward pass, and a table's lookup
+    would copy them at every step. ``DisableCopyOnRead`` ends the mode. The
+    next sparse op copies the variable first only if a read still holds its
+    buffer (TensorFlow's copy-on-write keeps that read's values): a write
+    after the step's gradients finds none, and writes in place. Done where
+    the writes are ordered with the variable's other ops (eagerly, and in
+    ``tf.function``'s automatic control dependencies); XLA owns its buffers.
+    """
+    if in_xla() or not (tf.executing_eagerly() or tf.inside_function()):
+        return result
+    tf.raw_ops.DisableCopyOnRead(resource=var.handle)
+    return result
+
+
 def _scatter(var, indices, values):
-    return var.scatter_nd_update(indices, values)
+    return _sharing(var, var.scatter_nd_update(indices, values))
 
 
 def scatter_write(variable, flat_index, values) -> tuple:
@@ -160,7 +181,14 @@ def scatter_write(variable, flat_index, values) -> tuple:
 
 
 def _block(var, values, block=()):
-    return var[block].assign(values)  # ResourceStridedSliceAssign: in place once the step's reads are done
+    if in_xla():
+        return var[block].assign(values)
+    # the raw op: ``var[block].assign`` reads the whole variable first (a read the write must wait for)
+    begin, end = [s.start or 0 for s in block], [s.stop for s in block]
+    write = tf.raw_ops.ResourceStridedSliceAssign(
+        ref=var.handle, begin=begin, end=end, strides=[1] * len(block), value=tf.cast(values, var.dtype)
+    )
+    return _sharing(var, write)
 
 
 def block_write(variable, block: tuple, values) -> tuple:
@@ -209,19 +237,19 @@ def own_buffers(variables) -> None:
 
 
 def read_elements(variable, index: np.ndarray | None) -> np.ndarray:
-    """A copy of ``variable``'s elements at ``index``: gathered from a dense read (``ResourceGatherNd``).
+    """A copy of ``variable``'s elements at ``index``: gathered from the variable (``ResourceGatherNd``).
 
-    The read shares the variable's buffer and is gone before the next write,
-    so that write stays in place (copying the whole value to NumPy first cost
-    a pass over the variable).
+    Only those elements are read (copying the whole value to NumPy first
+    cost a pass over the variable); the variable's whole reads share its
+    buffer again afterwards (:func:`_sharing`).
     """
     if index is None:
         return functional.read_elements(variable, index)
     shape = tuple(int(d) for d in variable.shape)
     where = np.stack(np.unravel_index(index, shape), axis=1) if shape else np.zeros((index.size, 0), np.int64)
-    return tf.raw_ops.ResourceGatherNd(
-        resource=native(variable).handle, indices=where, dtype=native(variable).dtype
-    ).numpy()
+    raw = native(variable)
+    values = tf.raw_ops.ResourceGatherNd(resource=raw.handle, indices=where, dtype=raw.dtype)
+    return _sharing(raw, values).numpy()
 
 
 def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
