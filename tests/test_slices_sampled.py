@@ -227,3 +227,41 @@ def test_a_custom_loop_trains_sampled_elements_as_the_dense_path_does_and_a_delt
     ff.load_delta(base, tmp_path / "sampled.safetensors")
     for a, b in zip(weights_of(base), weights_of(m)):
         assert np.array_equal(numpy(a), numpy(b)), a.path
+
+
+@pytest.mark.parametrize("chunk", [48 * 7, 48 * 64])  # 7 elements a chunk (37 chunks, the last padded); 64 (4 chunks)
+def test_the_product_in_chunks_gives_each_element_the_sum_it_gives_in_one(monkeypatch, chunk):
+    """Chunks run one after another (a map); each element gets its dot product, within the bound.
+
+    (XLA may sum a row of another chunk's shape in another order: not bit for bit on JAX.)
+    """
+    from finefreeze._slices import sampled
+
+    rng = np.random.default_rng(1)
+    x, dy = rng.normal(size=(48, N)).astype("float32"), rng.normal(size=(48, N)).astype("float32")
+    flat = np.flatnonzero(SCATTERED).astype("int32")
+    whole = sampled.Sampled("...a", "ab", "...b", (N, N), flat.size).weight_gradient(x, dy, flat)
+    monkeypatch.setattr(sampled, "SAMPLED_CHUNK", chunk)
+    chunked = sampled.Sampled("...a", "ab", "...b", (N, N), flat.size).weight_gradient(x, dy, flat)
+    whole, chunked = keras.ops.convert_to_numpy(whole), keras.ops.convert_to_numpy(chunked)
+    a, b = np.unravel_index(flat, (N, N))
+    reference = np.einsum("na,na->a", x[:, a].astype("float64"), dy[:, b].astype("float64"))
+    assert whole.shape == chunked.shape == (flat.size,)
+    for got in (whole, chunked):
+        assert np.max(np.abs(got - reference)) <= BOUND * np.max(np.abs(reference))
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.map_fn's parallel iterations are TensorFlow's")
+def test_tensorflow_runs_the_chunks_one_after_another(monkeypatch):
+    """Each chunk holds its gathers of ``x`` and ``dy``: ten at once (``keras.ops.map``'s default) cost ten chunks."""
+    import tensorflow as tf
+
+    from finefreeze._slices import sampled
+
+    monkeypatch.setattr(sampled, "SAMPLED_CHUNK", 48 * 7)
+    flat = np.flatnonzero(SCATTERED).astype("int32")
+    product = sampled.Sampled("...a", "ab", "...b", (N, N), flat.size)
+    step = tf.function(lambda: product.weight_gradient(X, X, flat))
+    loops = [op for op in step.get_concrete_function().graph.get_operations() if op.type in ("While", "StatelessWhile")]
+    assert loops, "the chunks run in a loop"
+    assert all(op.get_attr("parallel_iterations") == 1 for op in loops)

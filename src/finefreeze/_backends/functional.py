@@ -17,7 +17,8 @@ The interface:
   :func:`eager_scope`, :func:`own_buffers`, :func:`read_elements`,
   :func:`write_elements`;
 - a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
-- :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`;
+- :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`,
+  :func:`map_in_turn`;
 - capabilities: :data:`SPARSE_LOOKUPS`, :data:`INT64_INDICES_ONLY`,
   :data:`PAIRS_BY_POSITION`, :func:`has_int64`;
 - ``<module>.gradients.Gradients``: per-example gradients of ``select``.
@@ -47,6 +48,7 @@ __all__ = [
     "has_int64",
     "in_xla",
     "is_sparse",
+    "map_in_turn",
     "nadam_product_step",
     "own_buffers",
     "prefer_in_place_updates",
@@ -153,6 +155,14 @@ def write_all(writes, after=()) -> None:
     """Perform ``[(variable, fn, args)]`` writes: a plain call of each ``fn``."""
     for var, fn, args in writes:
         fn(var, *args)
+
+
+def map_in_turn(fn, xs, dtype: str):
+    """``fn`` over the first axis of ``xs``, one slice after another (``keras.ops.map``): ``fn``'s results are ``dtype``.
+
+    Bounds the memory of a loop over chunks to one chunk's.
+    """
+    return keras.ops.map(fn, xs)
 
 
 def eager_scope():

@@ -164,13 +164,13 @@ class Enforcer:
 class Enforcers:
     """Plain container so model variables are never tracked by the optimizer."""
 
-    def __init__(self, ordered=(), frozen_ids=(), state=None):
+    def __init__(self, ordered=(), frozen_ids=(), state=None, norms: tuple = ()):
         self.ordered: list[Enforcer] = list(ordered)
         self.by_id: dict[int, Enforcer] = {id(e.variable): e for e in self.ordered}
         #: a stand-in's kernel's enforcer, by the stand-in's id
         self.by_standin: dict[int, Enforcer] = {id(e.standin): e for e in self.ordered if e.standin is not None}
         self.frozen_ids: set[int] = set(frozen_ids)
-        self.norms: tuple = ()  # (trainable, frozen) gradient norms of the last step
+        self.norms: tuple = norms  # (trainable, frozen) gradient norms of the last step
         self.state = state  # the inner optimizer's state by variable (optimizer.migrate.StateMap)
 
     def own_variables(self) -> set[int]:
@@ -272,10 +272,11 @@ def _const(value):
 
 
 @no_tracking
-def make_enforcers(add_variable, layout, var_list, saved: bool) -> Enforcers:
-    """The enforcers of every variable of ``var_list`` that trains at all; ``saved``: the layout came from a file.
+def make_enforcers(add_variable, layout, var_list, saved: bool) -> tuple[list[Enforcer], set[int]]:
+    """The enforcers of every variable of ``var_list`` that trains at all, and the ids of the frozen ones.
 
-    Made without Keras' dependency tracking: the optimizer must never track model variables.
+    ``saved``: the layout came from a file. Made without Keras' dependency
+    tracking: the optimizer must never track model variables.
     """
     ordered, frozen, seen = [], set(), set(layout.standins())  # stand-ins: their kernels' enforcers
     for v in var_list:
@@ -290,7 +291,7 @@ def make_enforcers(add_variable, layout, var_list, saved: bool) -> Enforcers:
                 v.trainable = False  # per-variable flags are not saved in .keras files
             continue
         ordered.append(make_enforcer(add_variable, v, e))
-    return Enforcers(ordered, frozen)
+    return ordered, frozen
 
 
 def decay_compact_like_its_variable(inner, enforcers: Enforcers) -> None:

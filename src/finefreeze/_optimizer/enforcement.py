@@ -104,6 +104,11 @@ class Enforcement:
         return self._resolution
 
     @property
+    def strategy(self) -> str:
+        """The strategy requested (``auto`` picks per variable)."""
+        return self._strategy
+
+    @property
     def count_kind(self) -> str:
         """``"none"``, ``"element"`` or ``"variable"``: how released elements count steps."""
         return self._count_kind
@@ -169,11 +174,12 @@ class Enforcement:
         Keras does.
         """
         opt = self._optimizer
-        enforcers = make_enforcers(opt.add_variable, layout, var_list, saved=self._saved_layout is not None)
-        enforcers.norms = norms.variables()  # optimizer variables only while FreezeBoard tracks them
+        ordered, frozen = make_enforcers(opt.add_variable, layout, var_list, saved=self._saved_layout is not None)
+        recorded = norms.variables()  # optimizer variables only while FreezeBoard tracks them
         # outside the no-tracking scope: the inner optimizer tracks what it makes
         # (Nadam's u_product is an attribute, not an add_variable)
-        enforcers.state = migrate.build_recording(self._inner, [e.inner_variable for e in enforcers.ordered])
+        state = migrate.build_recording(self._inner, [e.inner_variable for e in ordered])
+        enforcers = Enforcers(ordered, frozen, state, recorded)
         decay_compact_like_its_variable(self._inner, enforcers)
         self._layout, self._enforcers, self._aged = layout, enforcers, None
         ages.install(self)

@@ -90,7 +90,6 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self.saved_gradients = saved_gradients
         self.inner_optimizer = inner_optimizer
         self._plan = plan
-        self._strategy = strategy
         self._step_count = step_count
         kind = ages.kind_of(inner_optimizer, step_count)
         self._enforcement = Enforcement(self, inner_optimizer, strategy, kind, resolution, layout, saved_layout)
@@ -103,7 +102,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
     @property
     def strategy(self) -> str:
         """The strategy requested (``auto`` picks per variable)."""
-        return self._strategy
+        return self._enforcement.strategy
 
     @property
     def step_count(self) -> str:
@@ -239,7 +238,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             PlanError: ``var_list`` holds a variable the resolution does not know, or
                 the strategy cannot serve the inner optimizer.
         """
-        layout = Layout.from_resolution(resolution, self._strategy, self.inner_optimizer, var_list)
+        layout = Layout.from_resolution(resolution, self.strategy, self.inner_optimizer, var_list)
         self._warn(layout)
         return layout
 
@@ -369,7 +368,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "plan": plan,
-            "strategy": self._strategy,
+            "strategy": self.strategy,
             "step_count": self._step_count,
             "layout": layout,
             "gradients": self.saved_gradients if frz is None else frz.gradients_record(),

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import keras
 from keras import ops
 
+from finefreeze._backends.chosen import chosen
+
 __all__ = ["SAMPLED_CHUNK", "Sampled"]
 
 #: the sampled product gathers at most this many values of ``x`` (and of ``dy``) at a time
@@ -37,8 +39,8 @@ class Sampled:
     flat indices (a variable: indices compiled into the program as
     constants would cost the compiler gigabytes). The columns are gathered
     for at most :data:`SAMPLED_CHUNK` values of each at a time
-    (``keras.ops.map`` over chunks of elements), so no temporary grows with
-    the kernel.
+    (a map over chunks of elements, one chunk after another), so no
+    temporary grows with the kernel.
 
     Args:
         x_spec, k_spec, y_spec: the einsum letters of ``x``, the kernel and
@@ -125,4 +127,6 @@ class Sampled:
 
         if chunks == 1:
             return dots(pairs[0])[: self.count]
-        return ops.reshape(ops.map(dots, pairs), (-1,))[: self.count]  # float32 sums; the tap casts them
+        return ops.reshape(chosen().map_in_turn(dots, pairs, wide), (-1,))[
+            : self.count
+        ]  # float32 sums; the tap casts them

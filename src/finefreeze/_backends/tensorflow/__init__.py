@@ -227,6 +227,15 @@ def write_all(writes, after=()) -> None:
         merged(tf.distribute.get_strategy(), *args)
 
 
+def map_in_turn(fn, xs, dtype: str):
+    """``fn`` over the first axis of ``xs``, one slice after another: ``tf.map_fn`` with one iteration at a time.
+
+    ``keras.ops.map`` runs up to ten iterations at once (``tf.map_fn``'s
+    default), each with its chunk's temporaries.
+    """
+    return tf.map_fn(fn, xs, parallel_iterations=1, fn_output_signature=tf.dtypes.as_dtype(dtype))
+
+
 def eager_scope():
     """A context where variable values can be read eagerly, even while TensorFlow traces a function."""
     return tf.init_scope()
