@@ -10,9 +10,13 @@ Variants (trained elements at the default size in brackets):
 - ``floor``: every kernel and the embedding frozen, only the norm scales
   train: the whole backward pass and every activation, no kernel gradient;
 - ``full``: plain Keras, everything trains;
-- ``lora``: KerasHub's ``enable_lora(8)``, plain Keras;
+- ``lora``: KerasHub's ``enable_lora(8)``, plain Keras (the query and value projections);
+- ``lora-all``: ``enable_lora(8)`` on every projection ``columns`` trains (query, key, value,
+  attention output and the three feed-forward kernels): what LoRA pays where it trains the same
+  layers, whose weight gradients need each layer's input kept from the forward pass;
 - ``rows``: the tied embedding's last 100 rows (new tokens) and the norms;
 - ``columns``: 1 % of the output columns (the last axis) of every kernel, and the norms;
+- ``columns-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``scattered``: 1 % of the elements of every kernel, drawn at random, and the norms;
 - ``fisher``: 1 % of the kernels' elements, chosen by ``ff.select(score="fisher")``;
 - ``fisher-columns``: the same budget in whole columns (``structure="columns"``);
@@ -56,11 +60,33 @@ SIZES = {
     "152m": dict(vocabulary_size=32000, num_layers=8, hidden_dim=1024, intermediate_dim=8192, head_dim=128),
     "1b": dict(vocabulary_size=32000, num_layers=18, hidden_dim=2048, intermediate_dim=16384, head_dim=256),
 }
-VARIANTS = ["floor", "full", "lora", "rows", "columns", "scattered", "select", "fisher", "fisher-columns"]
+VARIANTS = [
+    "floor",
+    "full",
+    "lora",
+    "lora-all",
+    "rows",
+    "columns",
+    "columns-qv",
+    "scattered",
+    "select",
+    "fisher",
+    "fisher-columns",
+]
 NEW_ROWS = 100
 FRACTION = 0.01
 BATCH, TOKENS = 4, 128
 NORMS = ["**/*norm*/scale"]
+#: the decoder's projections (every kernel ``columns`` and ``scattered`` train)
+PROJECTIONS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
+
+
+def enable_lora(backbone, variant: str) -> None:
+    """KerasHub's LoRA of rank 8: on its default layers (``lora``) or on every projection (``lora-all``)."""
+    if variant == "lora":
+        backbone.enable_lora(8)
+    elif variant == "lora-all":
+        backbone.enable_lora(8, target_layer_names=PROJECTIONS)
 
 
 def build(size: str, dtype: str):
@@ -97,15 +123,17 @@ def plan_for(variant: str, model, size: str, workdir: str):
     import finefreeze as ff
 
     base = [ff.freeze("**"), *(ff.train(s) for s in NORMS)]
-    if variant in ("full", "lora"):
+    if variant in ("full", "lora", "lora-all"):
         return None
     if variant == "floor":
         return ff.Plan(base)
     if variant == "rows":
         return ff.Plan([*base, ff.train(f"token_embedding/embeddings[-{NEW_ROWS}:]")])
-    if variant == "columns":
+    if variant in ("columns", "columns-qv"):
         rules = []
         for v in kernels(model):
+            if variant == "columns-qv" and v.path.split("/")[-2] not in ("query", "value"):
+                continue
             n = max(1, round(FRACTION * v.shape[-1]))
             rules.append(ff.train(f"{v.path}[..., :{n}]"))
         return ff.Plan(base + rules)
@@ -147,8 +175,7 @@ def child(a) -> dict:
         cols.save(os.path.join(a.workdir, "fisher-columns.json"))
         out["peak_mb"] = peak_mb()
         return out
-    if a.variant == "lora":
-        backbone.enable_lora(8)
+    enable_lora(backbone, a.variant)
     plan = plan_for(a.variant, model, a.size, a.workdir)
     frz = None
     if plan is None:
@@ -288,8 +315,7 @@ def time_table(a) -> None:
     models = {}
     for v in chosen:
         model, backbone = build(a.size, a.dtype)
-        if v == "lora":
-            backbone.enable_lora(8)
+        enable_lora(backbone, v)
         plan = plan_for(v, model, a.size, a.workdir)
         opt = (
             keras.optimizers.Adam(1e-4)

@@ -38,3 +38,14 @@ def test_every_backend_module_implements_the_whole_interface_with_its_signatures
 def test_the_module_of_the_keras_backend_in_force_is_chosen_once():
     assert chosen().__name__ == f"finefreeze._backends.{keras.backend.backend()}"
     assert chosen() is chosen()
+
+
+def test_transposed_gives_the_transpose_with_each_row_whole_in_memory():
+    """The sampled product gathers rows of it: on PyTorch ``.T`` alone is a strided view, read at a tenth of the speed."""
+    import numpy as np
+
+    x = np.arange(24, dtype="float32").reshape(6, 4)
+    got = chosen().transposed(keras.ops.convert_to_tensor(x))
+    assert np.array_equal(keras.ops.convert_to_numpy(got), x.T)
+    if BACKEND == "torch":
+        assert got.is_contiguous()

@@ -244,3 +244,64 @@ def test_a_partially_written_variable_is_not_copied_by_its_reads(kind, mode):
     assert shares_its_buffer(kernel), f"{kind}: each whole read of {kernel.path} copies it"
     kernel.value.scatter_nd_update([[0] * len(kernel.shape)], [0.0])  # a sparse op: the mode the check must see
     assert not shares_its_buffer(kernel)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a graph's executor runs an op as soon as its inputs exist")
+@pytest.mark.parametrize("kind", ["columns", "heads", "channels", "scattered", "scattered einsum"])
+def test_tensorflow_makes_what_the_weight_gradient_needs_of_x_in_the_backward_pass(kind):
+    """A transpose or block of ``x`` for the trained elements' gradient waits for ``dy``.
+
+    TensorFlow's executor runs each op of a graph once its inputs exist: a
+    product of ``x`` alone (the sampled product's transposed ``x``) would be
+    made during the forward pass for every layer and held to its backward.
+    Every op of the gradients as large as ``x`` must have an op of the
+    backward pass (not of the forward, not a constant) among its inputs.
+    """
+    import tensorflow as tf
+
+    model, x, kernel, mask = _case(kind)
+    frz = _freezer(model, kernel, mask, "sliced")
+    variables = frz.trainable_variables
+    loss_of = _loss(model, x)
+
+    @tf.function
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = loss_of()
+        return [loss] + [g for g in tape.gradient(loss, variables) if g is not None]
+
+    graph = gradients.get_concrete_function().graph
+
+    def ancestors(ops) -> dict:
+        seen, todo = {}, list(ops)
+        while todo:
+            op = todo.pop()
+            if op.name not in seen:
+                seen[op.name] = op
+                todo += [t.op for t in op.inputs] + list(op.control_inputs)
+        return seen
+
+    loss_op = graph.outputs[0].op
+    while loss_op.type == "Identity":  # the function's output: the loss is computed before it
+        loss_op = loss_op.inputs[0].op
+    forward = ancestors([loss_op])
+    size = int(np.prod(x.shape))
+    backward = {
+        name: op
+        for name, op in ancestors([t.op for t in graph.outputs[1:]]).items()
+        if name not in forward and op.type != "Const"
+    }
+    big = [
+        op
+        for op in backward.values()
+        if op.type != "Identity"
+        and any(t.shape.is_fully_defined() and t.shape.num_elements() >= size for t in op.outputs)
+    ]
+    assert big, "the gradients have ops as large as x"
+
+    def waits(op) -> bool:
+        inputs = ancestors([t.op for t in op.inputs] + list(op.control_inputs))
+        return any(name in backward for name in inputs)
+
+    early = [op.name for op in big if not waits(op)]
+    assert not early, early

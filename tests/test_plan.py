@@ -131,3 +131,19 @@ def test_two_integer_lists_in_one_index_are_refused_with_both_spellings():
     want[[0, 1], [0, 1]] = True
     want[2, :] = True
     assert np.array_equal(~frz.frozen_mask("w"), want)
+
+
+def test_a_rules_mask_is_held_at_one_bit_per_element_and_reads_back_exactly():
+    """A plan lives as long as its Freezer: a mask of random elements is kept packed, a copy of the one given."""
+    rng = np.random.default_rng(0)
+    given = rng.random((300, 70)) < 0.01
+    rule = ff.train("dense/kernel", mask=given)
+    assert rule.mask.nbytes == -(-given.size // 8)  # one bit per element, not one byte
+    assert np.asarray(rule.mask).dtype == np.bool_
+    assert np.array_equal(np.asarray(rule.mask), given)
+    given[0, 0] = not given[0, 0]  # the caller's array changes: the rule's does not
+    assert np.asarray(rule.mask)[0, 0] != given[0, 0]
+    assert not np.asarray(rule.mask).flags.writeable
+    assert repr(rule) == "train('dense/kernel', mask=<bool (300, 70)>)"
+    back = ff.Plan.from_dict(ff.Plan([rule]).to_dict()).rules[0]  # the file's packed bits are the rule's
+    assert np.array_equal(np.asarray(back.mask), np.asarray(rule.mask))

@@ -18,7 +18,7 @@ The interface:
   :func:`write_elements`;
 - a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
 - :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`,
-  :func:`map_in_turn`;
+  :func:`map_in_turn`, :func:`transposed`;
 - capabilities: :data:`SPARSE_LOOKUPS`, :data:`INT64_INDICES_ONLY`,
   :data:`PAIRS_BY_POSITION`, :func:`has_int64`;
 - ``<module>.gradients.Gradients``: per-example gradients of ``select``.
@@ -49,6 +49,7 @@ __all__ = [
     "in_xla",
     "is_sparse",
     "map_in_turn",
+    "transposed",
     "nadam_product_step",
     "own_buffers",
     "prefer_in_place_updates",
@@ -155,6 +156,11 @@ def write_all(writes, after=()) -> None:
     """Perform ``[(variable, fn, args)]`` writes: a plain call of each ``fn``."""
     for var, fn, args in writes:
         fn(var, *args)
+
+
+def transposed(t):
+    """The transpose of a 2-D ``t``, each of its rows contiguous in memory (a gather of rows reads them whole)."""
+    return keras.ops.transpose(t)
 
 
 def map_in_turn(fn, xs, dtype: str):

@@ -368,7 +368,7 @@ class Freezer(Resumable, FreezerBase):
             optimizer, self._res.plan, strategy=strategy, step_count=step_count, _resolution=self._res, _layout=layout
         )
         opt.refuse_nan(layout)
-        opt.bind_freezer(self)
+        opt.bind_freezer(self, strong=True)  # the optimizer keeps its Freezer (and its stand-ins) alive
         self._wrapped.append(weakref.ref(opt))
         self.last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
         return opt

@@ -140,7 +140,7 @@ def _element_selection(i: int, rule: Rule, vi: VarInfo, cache: dict | None = Non
     if rule.mask is not None:
         key = (i, vi.shape)
         if cache is None or key not in cache:
-            got = _broadcast(i, rule, vi, rule.mask, "mask")
+            got = _broadcast(i, rule, vi, np.asarray(rule.mask), "mask")
             if cache is None:
                 cache = {}
             cache[key] = got

@@ -77,10 +77,10 @@ class Sampled:
         part = {c: (flat // strides[c]) % self.dims[c] for c in letters}
 
         def ravel(cs):
-            out = ops.zeros_like(flat)
+            out = None
             for c in cs:
-                out = out * self.dims[c] + part[c]
-            return out
+                out = part[c] if out is None else out * self.dims[c] + part[c]
+            return ops.zeros_like(flat) if out is None else out
 
         return ravel(self.xk), ravel(self.yk)
 
@@ -110,7 +110,7 @@ class Sampled:
         dy = self._as_columns(dy, self.y_spec, self.yk, self.width_y)
         dtype = keras.backend.standardize_dtype(x.dtype)
         wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
-        xt, dyt = ops.transpose(x), ops.transpose(dy)  # each element's column a contiguous row
+        xt, dyt = chosen().transposed(x), chosen().transposed(dy)  # each element's column a contiguous row
         tokens = x.shape[0]  # unknown in a graph traced for any batch: chunks for 512 tokens
         per = max(1, min(self.count, SAMPLED_CHUNK // (int(tokens) if tokens is not None else 512)))
         chunks = -(-self.count // per)

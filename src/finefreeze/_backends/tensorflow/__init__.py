@@ -272,7 +272,11 @@ def tap(y, x, k, s, weight_gradient):
     @tf.custom_gradient
     def tap(y, x, k, s):
         def grad(dy):
-            g = weight_gradient(x, dy, k)
+            # what the gradient makes of x and k (a transpose, a block) waits for dy: a graph's executor
+            # runs an op once its inputs exist, and would make those of every layer during the forward pass
+            with tf.control_dependencies([dy]):
+                xb, kb = tf.identity(x), tf.identity(k)
+            g = weight_gradient(xb, dy, kb)
             if isinstance(g, tf.IndexedSlices):
                 g = tf.IndexedSlices(tf.cast(g.values, s.dtype), g.indices, g.dense_shape)
             else:

@@ -171,6 +171,18 @@ def rows_gradient(taken, segment, dy):
     return taken.trained(rows)
 
 
+def transposed(t):
+    """The transpose of ``t`` copied row-contiguous: ``t.T`` is a view, whose rows a gather would read strided."""
+    return keras.ops.convert_to_tensor(t).T.contiguous()
+
+
+def map_in_turn(fn, xs, dtype: str):
+    """``fn`` over the first axis of ``xs`` in a Python loop, results stacked (Keras' ``map`` scans with more work)."""
+    import torch
+
+    return torch.stack([fn(x) for x in keras.ops.convert_to_tensor(xs)])
+
+
 def nadam_product_step(product, beta_1, factor):
     """Nadam's running product moved on by one step, in the order PyTorch's fused Nadam takes it."""
     return product * (beta_1 * factor)
