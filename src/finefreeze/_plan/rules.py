@@ -128,6 +128,15 @@ class PackedMask:
         self._bits = np.packbits(np.asarray(mask, dtype=np.bool_).reshape(-1))
         self._bits.setflags(write=False)
 
+    @classmethod
+    def from_bits(cls, bits: np.ndarray, shape) -> PackedMask:
+        """The mask of ``np.packbits`` output ``bits`` (C order) for ``shape``, taken as it is (a plan file's)."""
+        out = cls.__new__(cls)
+        out.shape = tuple(int(n) for n in shape)
+        out._bits = np.asarray(bits, dtype=np.uint8)
+        out._bits.setflags(write=False)
+        return out
+
     @property
     def size(self) -> int:
         return math.prod(self.shape)
@@ -174,7 +183,7 @@ class PackedMask:
         return f"PackedMask(shape={self.shape})"
 
 
-def encode_mask(mask: np.ndarray):
+def encode_mask(mask: PackedMask):
     """A mask as plan files write it: nested bool lists, or ``{"shape", "packbits"}`` when large.
 
     Large masks (from ``ff.select``, say) would otherwise cost about 6 bytes
@@ -183,22 +192,17 @@ def encode_mask(mask: np.ndarray):
     compressed with zlib first (a 0.1 % selection of a 23 M element model:
     2.7 MB packed, about 0.1 MB compressed).
     """
-    if isinstance(mask, PackedMask):
-        if mask.size <= PACKED_MASK_AT:
-            return np.asarray(mask).tolist()
-        packed = mask.bits.tobytes()
-    elif mask.size <= PACKED_MASK_AT or mask.dtype != np.bool_:
-        return mask.tolist()
-    else:
-        packed = np.packbits(mask.ravel()).tobytes()
+    if mask.size <= PACKED_MASK_AT:
+        return np.asarray(mask).tolist()
+    packed = mask.bits.tobytes()
     small = zlib.compress(packed, 9)
     if len(small) < len(packed) // 2:
         return {"shape": list(mask.shape), "zpackbits": base64.b64encode(small).decode("ascii")}
     return {"shape": list(mask.shape), "packbits": base64.b64encode(packed).decode("ascii")}
 
 
-def decode_mask(value, where: str) -> np.ndarray:
-    """The bool array of :func:`encode_mask`'s packed form.
+def decode_mask(value, where: str) -> PackedMask:
+    """The mask of :func:`encode_mask`'s packed form, kept packed.
 
     Raises:
         PlanError: a malformed packed mask.
@@ -227,7 +231,7 @@ def decode_mask(value, where: str) -> np.ndarray:
             f"{where}: packed mask of shape {tuple(shape)} needs {-(-size // 8)} bytes, got {len(raw)}; "
             "write the mask again."
         )
-    return np.unpackbits(raw, count=size).astype(bool).reshape(shape)
+    return PackedMask.from_bits(raw, shape)
 
 
 def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
@@ -235,7 +239,7 @@ def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
     index = None
     if suffix is not None:
         index = parse_index(suffix, selector, len(selector) - len(suffix))
-    if mask is not None:
+    if mask is not None and not isinstance(mask, PackedMask):  # a plan file's comes checked and packed
         mask_arr = np.asarray(mask)
         if mask_arr.dtype != np.bool_:
             raise PlanError(
