@@ -124,17 +124,18 @@ class PackedMask:
     dtype = np.dtype(np.bool_)
 
     def __init__(self, mask: np.ndarray):
-        self.shape = tuple(int(n) for n in np.shape(mask))
-        self._bits = np.packbits(np.asarray(mask, dtype=np.bool_).reshape(-1))
+        self._hold(np.shape(mask), np.packbits(np.asarray(mask, dtype=np.bool_).reshape(-1)))
+
+    def _hold(self, shape, bits: np.ndarray) -> None:
+        self.shape = tuple(int(n) for n in shape)
+        self._bits = np.asarray(bits, dtype=np.uint8)
         self._bits.setflags(write=False)
 
     @classmethod
     def from_bits(cls, bits: np.ndarray, shape) -> PackedMask:
         """The mask of ``np.packbits`` output ``bits`` (C order) for ``shape``, taken as it is (a plan file's)."""
         out = cls.__new__(cls)
-        out.shape = tuple(int(n) for n in shape)
-        out._bits = np.asarray(bits, dtype=np.uint8)
-        out._bits.setflags(write=False)
+        out._hold(shape, bits)
         return out
 
     @property
