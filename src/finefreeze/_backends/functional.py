@@ -167,9 +167,7 @@ def transposed(t):
 def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
     """``sum_n x[n, a[k]] * dy[n, b[k]]`` for each pair ``k`` (a sampled product), summed in float32 at least.
 
-    Here: the columns gathered as rows of the transposed arrays, for at
-    most ``chunk`` values of each at a time, one chunk after another
-    (:func:`map_in_turn`), so no temporary grows with the kernel.
+    Here: :func:`gathered_dots` with this module's :func:`transposed` and :func:`map_in_turn`.
 
     Args:
         x: ``(N, A)``.
@@ -181,11 +179,20 @@ def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
     Returns:
         The pairs' sums, float32 (float64 for float64 inputs).
     """
+    return gathered_dots(x, dy, a, b, chunk, transposed, map_in_turn)
+
+
+def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
+    """:func:`sampled_dots` by gathers: the columns as rows of the transposed arrays, ``chunk`` values at a time.
+
+    The chunks run one after another (``map_chunks``, a backend's
+    :func:`map_in_turn`), so no temporary grows with the kernel;
+    ``transpose`` is the backend's :func:`transposed`.
+    """
     count = int(a.shape[0])
     dtype = keras.backend.standardize_dtype(x.dtype)
     wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
-    choose = _interface()
-    xt, dyt = choose.transposed(x), choose.transposed(dy)  # each element's column a contiguous row
+    xt, dyt = transpose(x), transpose(dy)  # each element's column a contiguous row
     tokens = x.shape[0]  # unknown in a graph traced for any batch: chunks for 512 tokens
     per = max(1, min(count, chunk // (int(tokens) if tokens is not None else 512)))
     chunks = -(-count // per)
@@ -201,14 +208,7 @@ def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
 
     if chunks == 1:
         return dots(pairs[0])[:count]
-    return ops.reshape(choose.map_in_turn(dots, pairs, wide), (-1,))[:count]
-
-
-def _interface():
-    """The backend module in force (its ``transposed`` and ``map_in_turn`` may override these)."""
-    from finefreeze._backends.chosen import chosen
-
-    return chosen()
+    return ops.reshape(map_chunks(dots, pairs, wide), (-1,))[:count]
 
 
 def map_in_turn(fn, xs, dtype: str):

@@ -192,7 +192,7 @@ def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
     import torch
 
     if torch.compiler.is_compiling():
-        return functional.sampled_dots(x, dy, a, b, order, chunk)
+        return functional.gathered_dots(x, dy, a, b, chunk, transposed, map_in_turn)
     x, dy = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(dy)
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     a, b = keras.ops.convert_to_tensor(a).long(), keras.ops.convert_to_tensor(b).long()
@@ -205,7 +205,7 @@ def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
     if order is None:
         perm = torch.argsort(rows * n_cols + cols)
         rows, cols = rows[perm], cols[perm]
-    crow = torch._convert_indices_from_coo_to_csr(rows, n_rows)
+    crow = torch.searchsorted(rows, torch.arange(n_rows + 1, device=rows.device))  # each row's first pair
     with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state", once a process
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support", category=UserWarning)
         pattern = torch.sparse_csr_tensor(
