@@ -15,7 +15,7 @@ warmed up first, then timed in interleaved rounds (A B C ..., A B C ...):
 - ``cols 10 % dense``: the same plan with ``gradients="dense"`` (the whole
   weight gradient, then the strategy keeps the frozen part);
 - ``elements 10 %``: 10 % of each such kernel's elements at random (no slice);
-- ``elements 0.1 %``, ``0.3 %``, ``1 %`` (``gradients="sliced"``: the sampled
+- ``elements 0.1 %``, ``0.3 %``, ``1 %``, ``3 %`` (``gradients="sliced"``: the sampled
   product, the weight gradient at those elements only) and ``elements 0.1 %
   dense``, ``0.3 % dense``, ``1 % dense`` (the whole weight gradient): where the
   sampled product stops paying (``gradients="auto"`` samples what these say pays);
@@ -68,15 +68,15 @@ def interleaved(variants: dict, x, y, rounds: int, steps: int) -> dict:
 @contextlib.contextmanager
 def sampling(on: bool):
     """Inside, ``gradients="sliced"`` gives scattered elements the sampled product even where a block costs less."""
-    from finefreeze._enforce import slices
+    from finefreeze._backends import costs
 
-    saved = dict(slices.AUTO_SAMPLES)
+    saved = dict(costs.AUTO_SAMPLES)
     if on:
-        slices.AUTO_SAMPLES.update(dict.fromkeys(saved, 1e9))
+        costs.AUTO_SAMPLES.update(dict.fromkeys(saved, 1e9))
     try:
         yield
     finally:
-        slices.AUTO_SAMPLES.update(saved)
+        costs.AUTO_SAMPLES.update(saved)
 
 
 def one_gradient(model, x, y, loss):
@@ -170,7 +170,7 @@ def main():
         "cols 50 % dense": (sliced(f"[:, :{w // 2}]"), "dense"),
         "elements 10 %": (elements, "sliced"),
     }
-    for pct in (0.1, 0.3, 1):
+    for pct in (0.1, 0.3, 1, 3):
         few = scattered(pct / 100)
         plans[f"elements {pct} %"] = (few, "sampled")  # the sampled product, whatever a block would cost
         plans[f"elements {pct} % dense"] = (few, "dense")

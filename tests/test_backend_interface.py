@@ -49,3 +49,32 @@ def test_transposed_gives_the_transpose_with_each_row_whole_in_memory():
     assert np.array_equal(keras.ops.convert_to_numpy(got), x.T)
     if BACKEND == "torch":
         assert got.is_contiguous()
+
+
+@pytest.mark.parametrize("order", ["a", "b", None])
+def test_sampled_dots_give_each_pairs_dot_product_in_the_pairs_order(order):
+    """``sum_n x[n, a] * dy[n, b]`` per pair, for pairs sorted by ``a``, by ``b`` or neither, at the product's bound.
+
+    (PyTorch's is a sampled sparse product: its pattern's rows are ``a``, ``b`` or the pairs sorted first.)
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    x, dy = rng.normal(size=(40, 9)).astype("float32"), rng.normal(size=(40, 13)).astype("float32")
+    a, b = rng.integers(0, 9, size=60), rng.integers(0, 13, size=60)
+    if order is not None:
+        key = a * 13 + b if order == "a" else b * 9 + a
+        _, first = np.unique(key, return_index=True)  # distinct pairs, sorted by the key
+        a, b = a[first], b[first]
+    got = chosen().sampled_dots(
+        keras.ops.convert_to_tensor(x),
+        keras.ops.convert_to_tensor(dy),
+        keras.ops.convert_to_tensor(a.astype("int32")),
+        keras.ops.convert_to_tensor(b.astype("int32")),
+        order,
+        40 * 7,  # 7 pairs a chunk where the product gathers
+    )
+    got = keras.ops.convert_to_numpy(got)
+    reference = np.einsum("nk,nk->k", x[:, a].astype("float64"), dy[:, b].astype("float64"))
+    assert got.dtype == np.float32 and got.shape == (a.size,)
+    assert np.max(np.abs(got - reference)) <= 1e-5 * np.max(np.abs(reference))

@@ -168,11 +168,19 @@ def _torch_extra(model, x, kernel, frz, mode) -> int:
     size = int(np.prod(kernel.shape))
     seen = []
 
+    def held(t):
+        """What ``t`` holds in memory: its values (a sparse tensor's stored values, not its dense size)."""
+        if t.layout == torch.sparse_coo:
+            return t._values()
+        if t.layout != torch.strided:  # CSR and the other compressed layouts
+            return t.values()
+        return t
+
     def storages(tree) -> set:
         out = set()
         for t in torch.utils._pytree.tree_leaves(tree):
             if isinstance(t, torch.Tensor):
-                out.add(t.untyped_storage().data_ptr())
+                out.add(held(t).untyped_storage().data_ptr())
         return out
 
     class Results(TorchDispatchMode):
@@ -180,8 +188,8 @@ def _torch_extra(model, x, kernel, frz, mode) -> int:
             out = func(*args, **(kwargs or {}))
             inputs = storages((args, kwargs))
             for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.numel() == size:  # kernel-sized, any shape (flat too)
-                    if t.untyped_storage().data_ptr() not in inputs:
+                if isinstance(t, torch.Tensor) and held(t).numel() == size:  # kernel-sized, any shape (flat too)
+                    if held(t).untyped_storage().data_ptr() not in inputs:
                         seen.append(func.__name__)
             return out
 

@@ -265,3 +265,32 @@ def test_tensorflow_runs_the_chunks_one_after_another(monkeypatch):
     loops = [op for op in step.get_concrete_function().graph.get_operations() if op.type in ("While", "StatelessWhile")]
     assert loops, "the chunks run in a loop"
     assert all(op.get_attr("parallel_iterations") == 1 for op in loops)
+
+
+@pytest.mark.parametrize(
+    "x_spec, k_spec, y_spec, transposed, variable_letters, order",
+    [
+        ("...a", "ab", "...b", False, "ab", "a"),  # Dense: the variable's flat order is by input, then output
+        ("...a", "ab", "...b", True, "ba", "b"),  # a tied table's reverse projection: by output, then input
+        ("...a", "bac", "...bc", False, "bac", None),  # an einsum whose axes interleave x's and y's
+    ],
+)
+def test_each_elements_sum_whatever_order_the_variable_lists_them_in(
+    x_spec, k_spec, y_spec, transposed, variable_letters, order
+):
+    """The elements' flat indices are the variable's; the product pairs them with x's and dy's columns right."""
+    from finefreeze._slices import sampled
+
+    dims = {"a": 6, "b": 5, "c": 4}
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(3, 8, dims["a"])).astype("float32")
+    dy = rng.normal(size=(3, 8, *(dims[c] for c in y_spec[3:]))).astype("float32")
+    variable_shape = tuple(dims[c] for c in variable_letters)
+    flat = np.sort(rng.choice(int(np.prod(variable_shape)), 23, replace=False)).astype("int32")
+    product = sampled.Sampled(x_spec, k_spec, y_spec, tuple(dims[c] for c in k_spec), flat.size, transposed)
+    assert product.order() == order
+    got = keras.ops.convert_to_numpy(product.weight_gradient(x, dy, flat))
+    whole = np.einsum(f"nta,nt{y_spec[3:]}->{variable_letters}", x.astype("float64"), dy.astype("float64"))
+    reference = whole.reshape(-1)[flat]
+    assert got.shape == (flat.size,)
+    assert np.max(np.abs(got - reference)) <= BOUND * np.max(np.abs(reference))

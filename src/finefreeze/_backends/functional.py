@@ -18,7 +18,7 @@ The interface:
   :func:`write_elements`;
 - a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
 - :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`,
-  :func:`map_in_turn`, :func:`transposed`;
+  :func:`map_in_turn`, :func:`transposed`, :func:`sampled_dots`;
 - capabilities: :data:`SPARSE_LOOKUPS`, :data:`INT64_INDICES_ONLY`,
   :data:`PAIRS_BY_POSITION`, :func:`has_int64`;
 - ``<module>.gradients.Gradients``: per-example gradients of ``select``.
@@ -49,6 +49,7 @@ __all__ = [
     "in_xla",
     "is_sparse",
     "map_in_turn",
+    "sampled_dots",
     "transposed",
     "nadam_product_step",
     "own_buffers",
@@ -161,6 +162,53 @@ def write_all(writes, after=()) -> None:
 def transposed(t):
     """The transpose of a 2-D ``t``, each of its rows contiguous in memory (a gather of rows reads them whole)."""
     return keras.ops.transpose(t)
+
+
+def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
+    """``sum_n x[n, a[k]] * dy[n, b[k]]`` for each pair ``k`` (a sampled product), summed in float32 at least.
+
+    Here: :func:`gathered_dots` with this module's :func:`transposed` and :func:`map_in_turn`.
+
+    Args:
+        x: ``(N, A)``.
+        dy: ``(N, B)``.
+        a, b: the pairs' columns of ``x`` and of ``dy`` (int).
+        order: ``"a"``: the pairs are sorted by ``a``, then ``b``; ``"b"``: by ``b``, then ``a``; None: neither.
+        chunk: the most values of ``x`` (and of ``dy``) gathered at once.
+
+    Returns:
+        The pairs' sums, float32 (float64 for float64 inputs).
+    """
+    return gathered_dots(x, dy, a, b, chunk, transposed, map_in_turn)
+
+
+def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
+    """:func:`sampled_dots` by gathers: the columns as rows of the transposed arrays, ``chunk`` values at a time.
+
+    The chunks run one after another (``map_chunks``, a backend's
+    :func:`map_in_turn`), so no temporary grows with the kernel;
+    ``transpose`` is the backend's :func:`transposed`.
+    """
+    count = int(a.shape[0])
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
+    xt, dyt = transpose(x), transpose(dy)  # each element's column a contiguous row
+    tokens = x.shape[0]  # unknown in a graph traced for any batch: chunks for 512 tokens
+    per = max(1, min(count, chunk // (int(tokens) if tokens is not None else 512)))
+    chunks = -(-count // per)
+    if chunks * per > count:  # (ops.pad would make a named Keras operation at every step)
+        zeros = ops.zeros((chunks * per - count,), a.dtype)
+        a, b = ops.concatenate([a, zeros]), ops.concatenate([b, zeros])
+    pairs = ops.stack([ops.reshape(a, (chunks, per)), ops.reshape(b, (chunks, per))], axis=1)
+
+    def dots(pair):
+        xa = ops.cast(ops.take(xt, pair[0], axis=0), wide)
+        yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)
+        return ops.sum(xa * yb, axis=1)
+
+    if chunks == 1:
+        return dots(pairs[0])[:count]
+    return ops.reshape(map_chunks(dots, pairs, wide), (-1,))[:count]
 
 
 def map_in_turn(fn, xs, dtype: str):

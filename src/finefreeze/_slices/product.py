@@ -23,9 +23,10 @@ How the trained elements' gradient is computed:
   entries as ``IndexedSlices`` over its elements, so Keras' sparse update
   is the one it gives a table's rows;
 - scattered elements (:class:`Sampled`): ``sum_n x[n, i] * dy[n, j]`` for
-  each trained element, gathered in chunks of a bounded size (the *sampled
-  product*), for ``Dense`` and ``EinsumDense`` kernels and a tied table's
-  reverse projection.
+  each trained element (the *sampled product*: gathered in chunks of a
+  bounded size; PyTorch's ``sampled_addmm`` at their pattern), for
+  ``Dense`` and ``EinsumDense`` kernels and a tied table's reverse
+  projection.
 
 How each backend takes the gradient apart: the forward is
 ``op(x, stop_gradient(kernel))`` (the very op the layer runs, so ``y`` and

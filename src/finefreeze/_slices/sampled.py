@@ -5,7 +5,8 @@ budget, ``mask=`` of random elements), lies in no small block. Its trained
 elements' gradient is ``sum_n x[n, a] * dy[n, b]`` for each of them: ``a``
 the column of the layer's input and ``b`` the column of its output
 gradient that the element joins. :class:`Sampled` computes those dot
-products only, gathering the columns in chunks of a bounded size, for
+products only (the backend's ``sampled_dots``: the columns gathered in
+chunks of a bounded size, or PyTorch's sampled sparse product), for
 ``Dense`` and ``EinsumDense`` kernels and a tied table's reverse projection;
 :func:`finefreeze._slices.product.sliced_product` hands them to the
 kernel's stand-in.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import keras
 from keras import ops
 
 from finefreeze._backends.chosen import chosen
@@ -37,10 +37,11 @@ class Sampled:
     ``x`` and a column ``b`` of ``dy``, and its gradient their dot product
     over ``N``. ``a`` and ``b`` are computed in the step from the elements'
     flat indices (a variable: indices compiled into the program as
-    constants would cost the compiler gigabytes). The columns are gathered
-    for at most :data:`SAMPLED_CHUNK` values of each at a time
-    (a map over chunks of elements, one chunk after another), so no
-    temporary grows with the kernel.
+    constants would cost the compiler gigabytes). The backend computes the
+    dot products (``sampled_dots``): the columns gathered for at most
+    :data:`SAMPLED_CHUNK` values of each at a time (a map over chunks of
+    elements, one chunk after another), or PyTorch's sampled sparse product
+    at the elements' pattern; no temporary grows with the kernel.
 
     Args:
         x_spec, k_spec, y_spec: the einsum letters of ``x``, the kernel and
@@ -61,6 +62,7 @@ class Sampled:
         self.yk = [c for c in k_spec if c in y_spec]
         self.width_x = math.prod(self.dims[c] for c in self.xk)
         self.width_y = math.prod(self.dims[c] for c in self.yk)
+        self._order = self.order()
         self._gradient = self.weight_gradient  # one function for every call (compilers guard on it)
 
     def gradient_of(self, op: Callable) -> Callable:
@@ -105,28 +107,18 @@ class Sampled:
         y = self.y_spec.replace("...", "")
         return (1, y.index(c) if c in y else len(y))
 
+    def order(self) -> str | None:
+        """How the elements' sorted flat indices order their ``(a, b)`` pairs: ``"a"`` (by ``a``, then ``b``),
+        ``"b"`` (by ``b``, then ``a``) or None (neither: the variable's axes interleave ``x``'s and ``dy``'s)."""
+        letters = list(self.k_spec[::-1] if self.transposed else self.k_spec)  # the variable's axes
+        if letters == self.xk + self.yk:
+            return "a"
+        if letters == self.yk + self.xk:
+            return "b"
+        return None
+
     def weight_gradient(self, x, dy, flat):
         x = self._as_columns(x, self.x_spec, self.xk, self.width_x)
         dy = self._as_columns(dy, self.y_spec, self.yk, self.width_y)
-        dtype = keras.backend.standardize_dtype(x.dtype)
-        wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
-        xt, dyt = chosen().transposed(x), chosen().transposed(dy)  # each element's column a contiguous row
-        tokens = x.shape[0]  # unknown in a graph traced for any batch: chunks for 512 tokens
-        per = max(1, min(self.count, SAMPLED_CHUNK // (int(tokens) if tokens is not None else 512)))
-        chunks = -(-self.count // per)
         a, b = self.columns(ops.convert_to_tensor(flat))
-        if chunks * per > self.count:  # (ops.pad would make a named Keras operation at every step)
-            zeros = ops.zeros((chunks * per - self.count,), a.dtype)
-            a, b = ops.concatenate([a, zeros]), ops.concatenate([b, zeros])
-        pairs = ops.stack([ops.reshape(a, (chunks, per)), ops.reshape(b, (chunks, per))], axis=1)
-
-        def dots(pair):
-            xa = ops.cast(ops.take(xt, pair[0], axis=0), wide)
-            yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)
-            return ops.sum(xa * yb, axis=1)
-
-        if chunks == 1:
-            return dots(pairs[0])[: self.count]
-        return ops.reshape(chosen().map_in_turn(dots, pairs, wide), (-1,))[
-            : self.count
-        ]  # float32 sums; the tap casts them
+        return chosen().sampled_dots(x, dy, a, b, self._order, SAMPLED_CHUNK)  # float32 sums; the tap casts them

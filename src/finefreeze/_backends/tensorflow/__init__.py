@@ -227,6 +227,11 @@ def write_all(writes, after=()) -> None:
         merged(tf.distribute.get_strategy(), *args)
 
 
+def sampled_dots(x, dy, a, b, order, chunk: int):
+    """``functional.sampled_dots`` with TensorFlow's ``map_in_turn`` (one chunk at a time)."""
+    return functional.gathered_dots(x, dy, a, b, chunk, functional.transposed, map_in_turn)
+
+
 def map_in_turn(fn, xs, dtype: str):
     """``fn`` over the first axis of ``xs``, one slice after another: ``tf.map_fn`` with one iteration at a time.
 
