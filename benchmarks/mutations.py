@@ -228,10 +228,17 @@ MUTATIONS = [
     ),
     (
         "sampled product: each element's row paired with its own row, not its column",
-        "_slices/sampled.py",
-        "            yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)",
-        "            yb = ops.cast(ops.take(dyt, pair[0], axis=0), wide)",
+        "_backends/functional.py",
+        "        yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)",
+        "        yb = ops.cast(ops.take(dyt, pair[0], axis=0), wide)",
         "tests/test_slices_sampled.py -k plain_keras",
+    ),
+    (
+        "PyTorch's sampled product: a tied table's pairs read as if sorted by the input's column",
+        "_backends/torch/__init__.py",
+        "rows, cols, left, right = b, a, dy.to(wide).T, x.to(wide)",
+        "rows, cols, left, right = a, b, x.to(wide).T, dy.to(wide)",
+        "KERAS_BACKEND=torch tests/test_slices_sampled.py -k whatever_order",
     ),
     (
         "sampled product: scattered elements never detected (the dense path)",
