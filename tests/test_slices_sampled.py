@@ -288,7 +288,7 @@ def test_each_elements_sum_whatever_order_the_variable_lists_them_in(
     variable_shape = tuple(dims[c] for c in variable_letters)
     flat = np.sort(rng.choice(int(np.prod(variable_shape)), 23, replace=False)).astype("int32")
     product = sampled.Sampled(x_spec, k_spec, y_spec, tuple(dims[c] for c in k_spec), flat.size, transposed)
-    assert product.order() == order
+    assert product.order == order
     got = keras.ops.convert_to_numpy(product.weight_gradient(x, dy, flat))
     whole = np.einsum(f"nta,nt{y_spec[3:]}->{variable_letters}", x.astype("float64"), dy.astype("float64"))
     reference = whole.reshape(-1)[flat]

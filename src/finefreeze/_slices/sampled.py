@@ -62,7 +62,10 @@ class Sampled:
         self.yk = [c for c in k_spec if c in y_spec]
         self.width_x = math.prod(self.dims[c] for c in self.xk)
         self.width_y = math.prod(self.dims[c] for c in self.yk)
-        self._order = self.order()
+        #: how the elements' sorted flat indices order their ``(a, b)`` pairs: ``"a"`` (by ``a``, then ``b``),
+        #: ``"b"`` (by ``b``, then ``a``) or None (the variable's axes interleave ``x``'s and ``dy``'s)
+        letters = list(k_spec[::-1] if transposed else k_spec)  # the variable's axes
+        self.order = "a" if letters == self.xk + self.yk else "b" if letters == self.yk + self.xk else None
         self._gradient = self.weight_gradient  # one function for every call (compilers guard on it)
 
     def gradient_of(self, op: Callable) -> Callable:
@@ -107,18 +110,8 @@ class Sampled:
         y = self.y_spec.replace("...", "")
         return (1, y.index(c) if c in y else len(y))
 
-    def order(self) -> str | None:
-        """How the elements' sorted flat indices order their ``(a, b)`` pairs: ``"a"`` (by ``a``, then ``b``),
-        ``"b"`` (by ``b``, then ``a``) or None (neither: the variable's axes interleave ``x``'s and ``dy``'s)."""
-        letters = list(self.k_spec[::-1] if self.transposed else self.k_spec)  # the variable's axes
-        if letters == self.xk + self.yk:
-            return "a"
-        if letters == self.yk + self.xk:
-            return "b"
-        return None
-
     def weight_gradient(self, x, dy, flat):
         x = self._as_columns(x, self.x_spec, self.xk, self.width_x)
         dy = self._as_columns(dy, self.y_spec, self.yk, self.width_y)
         a, b = self.columns(ops.convert_to_tensor(flat))
-        return chosen().sampled_dots(x, dy, a, b, self._order, SAMPLED_CHUNK)  # float32 sums; the tap casts them
+        return chosen().sampled_dots(x, dy, a, b, self.order, SAMPLED_CHUNK)  # float32 sums; the tap casts them
