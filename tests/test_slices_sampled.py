@@ -251,6 +251,72 @@ def test_the_product_in_chunks_gives_each_element_the_sum_it_gives_in_one(monkey
         assert np.max(np.abs(got - reference)) <= BOUND * np.max(np.abs(reference))
 
 
+@pytest.mark.parametrize("count", [1, 3, 1023, 1024, 1025, 3000])
+def test_the_padded_index_gives_each_element_its_own_sum_and_drops_the_repeats(monkeypatch, count):
+    """The product reads its index padded (the last element repeated); it returns the ``count`` elements' sums."""
+    from finefreeze._slices import sampled
+
+    monkeypatch.setattr(sampled, "SAMPLED_CHUNK", 48 * 256)  # chunks of 256 elements: several past 256
+    rng = np.random.default_rng(count)
+    x, dy = rng.normal(size=(2, 24, 64)).astype("float32"), rng.normal(size=(2, 24, 96)).astype("float32")
+    flat = np.sort(rng.choice(64 * 96, count, replace=False)).astype("int32")
+    reads = sampled.padded_index(flat)
+    assert reads.dtype == flat.dtype and np.array_equal(reads[:count], flat)
+    assert np.all(reads[count:] == flat[-1])
+    if count > sampled.INDEX_BLOCK:
+        assert reads.size % sampled.INDEX_BLOCK == 0 and reads.size - count < sampled.INDEX_BLOCK
+    else:
+        assert reads.size == 1 << (count - 1).bit_length()
+    got = keras.ops.convert_to_numpy(
+        sampled.Sampled("...a", "ab", "...b", (64, 96), count).weight_gradient(x, dy, reads)
+    )
+    a, b = np.unravel_index(flat, (64, 96))
+    reference = np.einsum("na,na->a", x.reshape(48, 64)[:, a].astype("float64"), dy.reshape(48, 96)[:, b])
+    assert got.shape == (count,)
+    assert np.max(np.abs(got - reference)) <= BOUND * np.max(np.abs(reference))
+
+
+def test_a_sampled_kernel_holds_its_index_padded_for_the_product():
+    """The index the step reads is :func:`padded_index`'s; the stand-in holds the trained elements alone."""
+    from finefreeze._slices.sampled import padded_index
+
+    rng = np.random.default_rng(5)
+    mask = np.zeros((N, N), bool)
+    for _ in range(3):  # three elements in most rows and columns: no block is smaller than the kernel
+        mask |= np.eye(N, dtype=bool)[rng.permutation(N)]
+    count = int(mask.sum())
+    m = model()
+    frz = ff.Freezer(m, plan(mask), gradients="sliced")
+    assert gradient_kind(frz, "d/kernel") == "sampled"
+    (index,) = [w for w in m.non_trainable_weights if w.path.endswith("kernel_trained/index")]
+    (standin,) = [w for w in m.trainable_weights if kernel_of(w) is not None]
+    assert tuple(standin.shape) == (count,)
+    assert np.array_equal(numpy(index), padded_index(np.flatnonzero(mask).astype("int32")))  # 1,024 long
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="a jaxpr is JAX's (XLA on a CPU keeps the code of a padding per kernel)")
+def test_jax_pads_nothing_in_the_step_when_the_index_is_padded(monkeypatch):
+    """The chunks divide the padded index: no concatenation of zeros in the step (the unpadded index has one)."""
+    import jax
+
+    from finefreeze._slices import sampled
+
+    monkeypatch.setattr(sampled, "SAMPLED_CHUNK", 48 * 2048)  # 48 tokens: chunks of up to 2,048 elements
+    flat = np.sort(np.random.default_rng(2).choice(N * N, 2500, replace=False)).astype("int32")  # read as 3,072
+    product = sampled.Sampled("...a", "ab", "...b", (N, N), flat.size)
+
+    def steps(index):
+        jaxpr = jax.make_jaxpr(lambda f: product.weight_gradient(X, X, f))(index).jaxpr
+        names = [e.primitive.name for e in jaxpr.eqns]
+        paddings = [e for e in jaxpr.eqns if e.primitive.name in ("concatenate", "pad") and e.outvars[0].aval.ndim == 1]
+        return names, paddings
+
+    names, paddings = steps(sampled.padded_index(flat))
+    assert "scan" in names or "while" in names, names  # 3 chunks of 1,024 in a loop
+    assert not paddings, paddings
+    assert steps(flat)[1], "the unpadded index is padded in the step: the check sees it"
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.map_fn's parallel iterations are TensorFlow's")
 def test_tensorflow_runs_the_chunks_one_after_another(monkeypatch):
     """Each chunk holds its gathers of ``x`` and ``dy``: ten at once (``keras.ops.map``'s default) cost ten chunks."""

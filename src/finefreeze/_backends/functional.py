@@ -187,7 +187,11 @@ def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
 
     The chunks run one after another (``map_chunks``, a backend's
     :func:`map_in_turn`), so no temporary grows with the kernel;
-    ``transpose`` is the backend's :func:`transposed`.
+    ``transpose`` is the backend's :func:`transposed`. Where a power of
+    two at least a quarter of the chunk divides the number of pairs (the
+    sampled product's index is padded so that one does), the chunks are
+    that long and nothing is padded in the step: XLA on a CPU keeps
+    megabytes of compiled code per padded product.
     """
     count = int(a.shape[0])
     dtype = keras.backend.standardize_dtype(x.dtype)
@@ -195,6 +199,9 @@ def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
     xt, dyt = transpose(x), transpose(dy)  # each element's column a contiguous row
     tokens = x.shape[0]  # unknown in a graph traced for any batch: chunks for 512 tokens
     per = max(1, min(count, chunk // (int(tokens) if tokens is not None else 512)))
+    even = min(count & -count, 1 << (per.bit_length() - 1))  # the largest power of two <= per dividing count
+    if count % per and 4 * even >= per:
+        per = even
     chunks = -(-count // per)
     if chunks * per > count:  # (ops.pad would make a named Keras operation at every step)
         zeros = ops.zeros((chunks * per - count,), a.dtype)

@@ -66,18 +66,19 @@ def is_standin(variable) -> bool:
 class TrainedElements(keras.layers.Layer):
     """A layer holding one stand-in: ``values``, the trained elements of ``variable`` (flat indices ``trained``).
 
-    With ``with_index``, also ``index``: those flat indices as a
-    non-trainable variable, which a sampled product reads in the step (an
-    index the step reads as a constant would be compiled into the program).
+    With ``index``, also a non-trainable variable ``index`` of those
+    indices as the sampled product reads them in the step (an index the
+    step reads as a constant would be compiled into the program).
 
     Args:
         variable: the partially frozen kernel.
         trained: the sorted flat indices of its trained elements.
         name: the layer's name.
-        with_index: also hold the indices.
+        index: the flat indices the sampled product reads (``trained``
+            padded to its chunks), or None.
     """
 
-    def __init__(self, variable, trained: np.ndarray, name: str, with_index: bool = False):
+    def __init__(self, variable, trained: np.ndarray, name: str, index: np.ndarray | None = None):
         super().__init__(name=name, trainable=True, dtype=variable.dtype)
         with eager_scope():
             values = np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[trained]
@@ -90,9 +91,9 @@ class TrainedElements(keras.layers.Layer):
             name="values",
         )
         self.index = None
-        if with_index:
+        if index is not None:
             size = int(np.prod(variable.shape, dtype=np.int64))
-            flat = np.asarray(trained).astype(np.int32 if size <= np.iinfo(np.int32).max + 1 else np.int64)
+            flat = np.asarray(index).astype(np.int32 if size <= np.iinfo(np.int32).max + 1 else np.int64)
             self.index = self.add_weight(
                 shape=flat.shape,
                 dtype=str(flat.dtype),
@@ -121,13 +122,13 @@ def is_standin_layer(layer) -> bool:
     return isinstance(layer, TrainedElements)
 
 
-def attach(layer, variable, trained: np.ndarray, with_index: bool = False) -> TrainedElements:
+def attach(layer, variable, trained: np.ndarray, index: np.ndarray | None = None) -> TrainedElements:
     """A stand-in of ``variable``'s trained elements, held by ``layer`` (made in the variable's distribution scope)."""
     name = f"{variable.name}_trained"
     with owner_scope([variable]), contextlib.ExitStack() as scopes:
         for part in layer.path.split("/"):  # its path is the layer's: ``layer/kernel_trained/values``
             scopes.enter_context(keras.name_scope(part))
-        holder = TrainedElements(variable, np.asarray(trained, dtype=np.int64), name=name, with_index=with_index)
+        holder = TrainedElements(variable, np.asarray(trained, dtype=np.int64), name=name, index=index)
     add_sublayer(layer, holder)
     return holder
 

@@ -36,7 +36,7 @@ from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
 from finefreeze._slices.choose import MARK, KernelSlice, choose
 from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
-from finefreeze._slices.sampled import Sampled
+from finefreeze._slices.sampled import Sampled, padded_index
 
 __all__ = ["set_sliced"]
 
@@ -184,7 +184,8 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     else:
         taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis, frozen)
     # a stand-in while the layer slices; a kernel held dense (its slice moves often) changes elements without one
-    holder = attach(layer, variable, trained, with_index=ks.kind == "sampled") if on else None
+    reads = padded_index(trained) if ks.kind == "sampled" else None  # what the sampled product reads
+    holder = attach(layer, variable, trained, index=reads) if on else None
     mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen))
     plain = type(layer).call.__get__(layer)
     if holder is not None:  # the stand-in goes with the Freezer: the model keeps no variable it would not train
