@@ -188,10 +188,11 @@ def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
     The chunks run one after another (``map_chunks``, a backend's
     :func:`map_in_turn`), so no temporary grows with the kernel;
     ``transpose`` is the backend's :func:`transposed`. Where a power of
-    two at least a quarter of the chunk divides the number of pairs (the
-    sampled product's index is padded so that one does), the chunks are
-    that long and nothing is padded in the step: XLA on a CPU keeps
-    megabytes of compiled code per padded product.
+    two at least a quarter of the chunk divides the number of pairs, the
+    chunks are that long and nothing is padded in the step: XLA on a CPU
+    keeps megabytes of compiled code per padded product. (The sampled
+    product's index is padded to a multiple of 1,024 pairs: one does for
+    batches of 512 tokens or more.)
     """
     count = int(a.shape[0])
     dtype = keras.backend.standardize_dtype(x.dtype)
