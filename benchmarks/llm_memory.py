@@ -44,6 +44,7 @@ weight: its ``1 - beta_2 ** step`` rounds to 0 in bfloat16).
     KERAS_BACKEND=jax python benchmarks/llm_memory.py --only floor,full,columns
     python benchmarks/llm_memory.py --time --rounds 5      # step times, interleaved in one process
     python benchmarks/llm_memory.py --size 1b --dtype bfloat16   # a 1.1 B-parameter config (a GPU's memory)
+    KERAS_BACKEND=jax python benchmarks/llm_memory.py --xla-memory --only columns,scattered   # XLA's temporaries too
 """
 
 from __future__ import annotations
@@ -229,7 +230,30 @@ def child(a) -> dict:
         )  # fmt: skip
         out["exact"] = bool(moved)
         out["gradients"] = sorted({v.get("gradient", "dense") for v in rep["variables"] if v["state"] == "partial"})
+    if a.xla_memory:
+        out["xla_temp_mb"] = xla_temp_mb(model, x, y)
     return out
+
+
+def xla_temp_mb(model, x, y) -> float | None:
+    """JAX: the temporaries of Keras' training step as XLA compiled it (its state donated), in MB; None elsewhere."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return None
+    import jax
+    import numpy as np
+
+    groups = (
+        model.trainable_variables,
+        model.non_trainable_variables,
+        model.optimizer.variables,
+        model.metrics_variables,
+    )
+    state = tuple([v.value for v in vs] for vs in groups)
+    batch = (keras.tree.map_structure(np.asarray, x), np.asarray(y), None)
+    compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, batch).compile()  # compiled, never run
+    return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
 def peak_mb() -> float:
@@ -265,6 +289,7 @@ def restart_peak() -> bool:
 def run_child(variant: str, a) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--size", a.size, "--dtype", a.dtype, "--steps", str(a.steps)]
     cmd += ["--gradients", a.gradients, "--workdir", a.workdir, "--examples", str(a.examples)]
+    cmd += ["--xla-memory"] if a.xla_memory else []
     got = subprocess.run(cmd, capture_output=True, text=True)
     if got.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{got.stderr[-4000:]}")
@@ -300,6 +325,9 @@ def memory_table(a) -> None:
         plan = r["stages_mb"]["planned"] - r["stages_mb"]["built"]
         print(f"| {v} | {r['trained']:,} | {r['optimizer_state']:,} | {r['peak_mb']:,.0f} | {excess} | "
               f"{r['steady_mb']:,.0f} | {calm} | {plan:,.0f} | {r['step_s']:.2f} | {exact} |")  # fmt: skip
+    temps = {v: r["xla_temp_mb"] for v, r in rows.items() if r.get("xla_temp_mb") is not None}
+    if temps:
+        print("\nXLA's temporaries of the compiled step, MB: " + ", ".join(f"{v} {t:,.0f}" for v, t in temps.items()))
     if "select" in rows:
         s = rows["select"]
         per = (s["seconds"] - s["seconds_one_batch"]) / (s["examples"] - BATCH)  # compiling left out, as in step_s
@@ -373,6 +401,9 @@ def main() -> None:
     ap.add_argument("--time", action="store_true", help="step times, interleaved in one process")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "finefreeze-llm-memory"))
+    ap.add_argument(
+        "--xla-memory", action="store_true", help="JAX: also the compiled step's temporaries (XLA's figure)"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
