@@ -15,7 +15,7 @@ The interface:
   :func:`select_frozen_to_zero`, :func:`take_sparse`, :func:`spread_sparse`;
 - writes: :func:`scatter_write`, :func:`block_write`, :func:`write_all`,
   :func:`eager_scope`, :func:`own_buffers`, :func:`read_elements`,
-  :func:`write_elements`;
+  :func:`write_elements`, :func:`from_host` (a variable's initial value);
 - a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
 - :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`,
   :func:`map_in_turn`, :func:`transposed`, :func:`sampled_dots`;
@@ -45,6 +45,7 @@ __all__ = [
     "current_value",
     "densify",
     "eager_scope",
+    "from_host",
     "has_int64",
     "in_xla",
     "is_sparse",
@@ -79,6 +80,11 @@ PAIRS_BY_POSITION = False
 def has_int64() -> bool:
     """Whether the backend computes with 64-bit integers."""
     return True
+
+
+def from_host(array: np.ndarray):
+    """``array``, a host array, as a variable's initial value on this backend (as is here: Keras converts it)."""
+    return array
 
 
 def prefer_in_place_updates() -> bool:

@@ -19,7 +19,10 @@ writes differ between backends: each function here calls the module
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
+import numpy as np
 from keras import ops
 
 from finefreeze._backends import jax as jax_backend
@@ -37,6 +40,8 @@ __all__ = [
     "current_value",
     "eager_scope",
     "flat_dense",
+    "host_constant",
+    "host_initializer",
     "in_xla",
     "is_sparse",
     "own_buffers",
@@ -205,3 +210,55 @@ def own_buffers(variables) -> None:
     (plain Keras 3.15 too).
     """
     chosen().own_buffers(variables)
+
+
+def host_initializer(value) -> Callable:
+    """A Keras initializer that gives ``value`` (reshaped, cast to the variable's dtype on the host) and compiles nothing.
+
+    A host array handed to Keras as a variable's value, and Keras' ``zeros``
+    initializer, compile a program per shape on JAX, which the process
+    keeps (``from_host`` in ``finefreeze._backends.jax``); the variables a
+    plan makes have a shape per partially trained kernel.
+
+    Args:
+        value: an array, or a scalar (broadcast to the variable's shape).
+
+    Returns:
+        ``init(shape, dtype=None)``, as Keras calls an initializer.
+    """
+    value = np.asarray(value)
+
+    def init(shape, dtype=None):
+        shape = tuple(int(d) for d in shape)
+        out = np.broadcast_to(value, shape) if value.ndim == 0 else value.reshape(shape)
+        out = np.array(out, dtype=_numpy_dtype(dtype) if dtype is not None else out.dtype)  # contiguous, owned
+        return chosen().from_host(out)
+
+    return init
+
+
+def host_constant(initializer):
+    """``initializer`` (as ``add_variable`` takes it) as a :func:`host_initializer` where it is a constant.
+
+    Keras' ``zeros``, ``ones`` and ``Constant(value)`` give the same values
+    made on the host; any other initializer is returned as it is.
+    """
+    init = keras.initializers.get(initializer)
+    if type(init) is keras.initializers.Zeros:
+        return host_initializer(0)
+    if type(init) is keras.initializers.Ones:
+        return host_initializer(1)
+    if type(init) is keras.initializers.Constant and np.ndim(init.value) == 0:
+        return host_initializer(init.value)
+    return initializer
+
+
+def _numpy_dtype(dtype) -> np.dtype:
+    """The NumPy dtype of a Keras dtype (``bfloat16`` and the float8 types from ``ml_dtypes``, as Keras' own)."""
+    name = keras.backend.standardize_dtype(dtype)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))

@@ -39,6 +39,7 @@ from finefreeze._backends.variables import (
     block_write,
     current,
     eager_scope,
+    host_initializer,
     is_sparse,
     read_block,
     scatter_write,
@@ -194,7 +195,7 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
         dtype = index_dtype(e.size)
         idx = np.full((e.n_trainable,), -1, dtype) if loaded else e.mask.trainable_flat_indices().astype(dtype)
         enf.index = add_variable(
-            shape=idx.shape, dtype=dtype, name=f"{safe}.index", initializer=_const(idx), aggregation="none"
+            shape=idx.shape, dtype=dtype, name=f"{safe}.index", initializer=host_initializer(idx), aggregation="none"
         )
         # Starts as the trainable values (optimizers may read it in build) and
         # is refilled from the model variable at every step (gather).
@@ -204,7 +205,7 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
                 shape=idx.shape,
                 dtype=v.dtype,
                 name=f"{safe}.compact",
-                initializer="zeros" if loaded else _const(_eager_values(v, idx)),
+                initializer=host_initializer(0 if loaded else _eager_values(v, idx)),
                 aggregation="none",
             )
         enf.block = None if loaded else e.block
@@ -216,7 +217,7 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
             shape=e.shape,
             dtype="bool",
             name=f"{safe}.frozen_mask",
-            initializer=_const(dense),
+            initializer=host_initializer(dense),
             aggregation="none",
             layout=distribution_layout(v),  # sharded like the variable (keras.distribution)
         )
@@ -226,7 +227,7 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
             shape=scale.shape,
             dtype="float32",
             name=f"{safe}.lr_scale",
-            initializer=_const(scale),
+            initializer=host_initializer(scale),
             aggregation="none",
             # one scale per element: sharded like the variable; a scalar: replicated
             layout=distribution_layout(v) if scale.shape == tuple(e.shape) and scale.ndim else None,
@@ -260,15 +261,6 @@ def _eager_values(variable, idx: np.ndarray) -> np.ndarray:
     """The variable's elements at flat ``idx``, read eagerly even while a train function is traced."""
     with eager_scope():
         return np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[idx]
-
-
-def _const(value):
-    value = np.asarray(value)
-
-    def init(shape, dtype=None):
-        return value.reshape(shape)
-
-    return init
 
 
 @no_tracking

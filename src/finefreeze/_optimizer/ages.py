@@ -42,6 +42,7 @@ from keras import ops
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.chosen import chosen
+from finefreeze._backends.variables import host_initializer
 from finefreeze._enforce.enforcer import elements
 from finefreeze._enforce.policy import family
 from finefreeze._keras.optimizers import (
@@ -207,7 +208,7 @@ def _variable(state, e, name: str, array: np.ndarray):
         shape=array.shape,
         dtype=str(array.dtype),
         name=f"{e.path.replace('/', '.')}.{name}",
-        initializer=lambda shape, dtype=None: array.reshape(shape),
+        initializer=host_initializer(array),
         aggregation="none",
         layout=layout,
     )

@@ -31,6 +31,7 @@ import keras
 import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
+from finefreeze._backends.variables import host_constant
 from finefreeze._enforce.policy import family
 from finefreeze._keras.instances import patched
 from finefreeze._keras.optimizers import own_variables, retrack, untrack
@@ -83,6 +84,11 @@ def build_recording(opt, var_list: list) -> StateMap:
         current: list = []
 
         def recording_add_variable(*args, **kwargs):
+            # a constant state (zeros) made on the host: JAX compiles ``zeros`` once per shape, and keeps it
+            if len(args) > 1:
+                args = (args[0], host_constant(args[1]), *args[2:])
+            else:
+                kwargs["initializer"] = host_constant(kwargs.get("initializer", "zeros"))
             w = add_variable(*args, **kwargs)
             (current[-1][1] if current else made).append(w)
             return w
@@ -125,7 +131,7 @@ def _fresh(name: str, made_by, values: np.ndarray, dtype) -> np.ndarray:
     owner, initializer = made_by
     if name == "average" or (name == "momentum" and type(owner).__name__ == "ScheduleFreeAdamW"):
         return values.astype(dtype)
-    init = keras.initializers.get(initializer)
+    init = keras.initializers.get(host_constant(initializer))
     return np.asarray(keras.ops.convert_to_numpy(init((values.size,), dtype=str(dtype)))).astype(dtype)
 
 

@@ -28,7 +28,7 @@ import keras
 import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
-from finefreeze._backends.variables import eager_scope
+from finefreeze._backends.variables import eager_scope, host_initializer
 from finefreeze._keras.layers import add_sublayer, remove_sublayer
 
 __all__ = ["TrainedElements", "attach", "detach", "held", "is_standin", "is_standin_layer", "kernel_of"]
@@ -86,7 +86,7 @@ class TrainedElements(keras.layers.Layer):
         self.values = self.add_weight(
             shape=values.shape,
             dtype=variable.dtype,
-            initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(values, dtype=dtype),
+            initializer=host_initializer(values),
             trainable=True,
             name="values",
         )
@@ -97,7 +97,7 @@ class TrainedElements(keras.layers.Layer):
             self.index = self.add_weight(
                 shape=flat.shape,
                 dtype=str(flat.dtype),
-                initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(flat, dtype=dtype),
+                initializer=host_initializer(flat),
                 trainable=False,
                 name="index",
             )

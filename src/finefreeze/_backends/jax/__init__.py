@@ -50,6 +50,22 @@ def prefer_in_place_updates() -> bool:
     return True
 
 
+def from_host(array: np.ndarray):
+    """``array`` copied to the device as it is (``jax.device_put``): nothing is compiled.
+
+    ``jnp.asarray`` of a host array, and ``jnp.zeros``, compile a program
+    for each shape they make (an identity, a broadcast), and JAX keeps each:
+    about 1.4 MB of the process's memory apiece on a CPU. The variables of a
+    plan whose partially trained kernels each train a number of elements of
+    its own (a vector of trained values, its index, the optimizer's state of
+    it) took two such programs per kernel: 160 MB for the 56 kernels of a
+    152 M-parameter LLM (``benchmarks/llm_memory.py``).
+    """
+    import jax
+
+    return jax.device_put(array)
+
+
 def snapshot(v):
     """The variable's value itself: JAX arrays are immutable (a copy would cost a pass inside the jitted step)."""
     return v.value
