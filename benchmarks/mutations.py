@@ -268,6 +268,13 @@ MUTATIONS = [
         "    return jax.numpy.asarray(array)",
         "KERAS_BACKEND=jax tests/test_slices_sampled.py -k compiles_nothing",
     ),
+    (
+        "JAX: the sampled product's transposed input made from the input alone (held from the forward pass)",
+        "_backends/jax/__init__.py",
+        "    x = jnp.concatenate([x, dy[:, :1].astype(x.dtype)], axis=1)",
+        "    x = jnp.asarray(x)",
+        "KERAS_BACKEND=jax tests/test_slices_sampled.py -k backward_pass",
+    ),
 ]
 
 

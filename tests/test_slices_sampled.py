@@ -361,6 +361,44 @@ def test_jax_compiles_nothing_per_kernel_for_a_plans_variables():
     assert six <= one, f"{one} programs for 1 kernel, {six} for 6: the plan's variables compile per kernel"
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's schedule of JAX's compiled step")
+def test_jax_transposes_a_sampled_kernels_input_in_the_backward_pass():
+    """Each layer's input is held for the backward pass once, not also as its transpose.
+
+    The sampled product gathers rows of the transposed input; made from the
+    input alone, XLA made every layer's transpose during the forward pass
+    and held it to the layer's backward: one more input's worth of the
+    step's temporaries per layer.
+    """
+    import jax
+
+    width, tokens = 512, 256
+
+    def temporaries(layers: int) -> int:
+        keras.utils.set_random_seed(1)
+        i = keras.Input((width,))
+        h = i
+        for j in range(layers):
+            h = keras.layers.Dense(width, activation="tanh", name=f"d{j}")(h)
+        m = keras.Model(i, h)
+        rng = np.random.default_rng(0)
+        rules = [ff.freeze("**/kernel")]
+        for j in range(layers):
+            rules.append(ff.train(f"**/d{j}/kernel", mask=np.eye(width, dtype=bool)[rng.permutation(width)]))
+        frz = ff.Freezer(m, ff.Plan(rules), gradients="sliced")
+        assert {gradient_kind(frz, f"d{j}/kernel") for j in range(layers)} == {"sampled"}
+        m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
+        x = rng.normal(size=(tokens, width)).astype("float32")
+        m.train_on_batch(x, x)
+        groups = (m.trainable_variables, m.non_trainable_variables, m.optimizer.variables, m.metrics_variables)
+        state = tuple([v.value for v in vs] for vs in groups)
+        compiled = jax.jit(m.train_step, donate_argnums=0).lower(state, (x, x, None)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    per_layer = (temporaries(6) - temporaries(2)) / 4 / (tokens * width * 4)  # in inputs' worth
+    assert per_layer < 1.5, f"{per_layer:.2f} inputs' worth of temporaries per layer: its transpose is held too"
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.map_fn's parallel iterations are TensorFlow's")
 def test_tensorflow_runs_the_chunks_one_after_another(monkeypatch):
     """Each chunk holds its gathers of ``x`` and ``dy``: ten at once (``keras.ops.map``'s default) cost ten chunks."""

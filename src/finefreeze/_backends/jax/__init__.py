@@ -106,6 +106,23 @@ def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
     variable.assign(_scatter()(variable.value, *_padded(np.asarray(index), np.asarray(values))))
 
 
+def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
+    """``functional.sampled_dots``, its transpose of ``x`` made once ``dy`` exists.
+
+    ``x`` is a layer's input, kept from the forward pass. Its transpose
+    depended on it alone, and XLA's scheduler made every layer's during the
+    forward pass and held it to that layer's backward (152 M LLM, 1 %
+    scattered elements: 172 MB of transposed inputs at the step's peak). An
+    optimization barrier does not hold it back (XLA on a CPU expands it
+    before it schedules); ``x`` with one column of ``dy`` after its own
+    does, at the cost of that column (``a`` never reads it).
+    """
+    import jax.numpy as jnp
+
+    x = jnp.concatenate([x, dy[:, :1].astype(x.dtype)], axis=1)
+    return functional.gathered_dots(x, dy, a, b, chunk, functional.transposed, functional.map_in_turn)
+
+
 def tap(y, x, k, s, weight_gradient):
     """``y`` through a ``jax.custom_vjp`` whose backward hands ``dy`` on and gives ``s`` its gradient."""
     import jax
