@@ -317,6 +317,26 @@ def test_jax_pads_nothing_in_the_step_when_the_index_is_padded(monkeypatch):
     assert steps(flat)[1], "the unpadded index is padded in the step: the check sees it"
 
 
+def sampled_chain(layers: int, width: int, seed: int, more=lambda j: 0, activation=None):
+    """``layers`` Dense(width) layers and a plan training scattered elements of each kernel (the sampled product).
+
+    Each kernel trains one element in every row and column (no block is
+    smaller than the kernel) and ``more(j)`` more at random.
+    """
+    keras.utils.set_random_seed(seed)
+    i = keras.Input((width,))
+    h = i
+    for j in range(layers):
+        h = keras.layers.Dense(width, activation=activation, name=f"d{j}")(h)
+    rng = np.random.default_rng(seed)
+    rules = [ff.freeze("**/kernel")]
+    for j in range(layers):
+        mask = np.eye(width, dtype=bool)[rng.permutation(width)].reshape(-1)
+        mask[rng.choice(np.flatnonzero(~mask), more(j), replace=False)] = True
+        rules.append(ff.train(f"**/d{j}/kernel", mask=mask.reshape(width, width)))
+    return keras.Model(i, h), ff.Plan(rules)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="JAX compiles a program for each shape of array it makes, and keeps it")
 def test_jax_compiles_nothing_per_kernel_for_a_plans_variables():
     """Kernels each training a number of elements of its own: their variables and Adam's state of them compile nothing.
@@ -334,20 +354,9 @@ def test_jax_compiles_nothing_per_kernel_for_a_plans_variables():
             lowered.append(event)
 
     def programs(kernels: int, seed: int) -> int:
-        keras.utils.set_random_seed(seed)
-        i = keras.Input((N,))
-        h = i
-        for j in range(kernels):
-            h = keras.layers.Dense(N, name=f"d{j}")(h)
-        m = keras.Model(i, h)
-        rng = np.random.default_rng(seed)
-        rules = [ff.freeze("**/kernel")]
-        for j in range(kernels):  # one in every row and column, and 7 j + seed more: a length of its own
-            mask = np.eye(N, dtype=bool)[rng.permutation(N)].reshape(-1)
-            mask[rng.choice(np.flatnonzero(~mask), 7 * j + seed, replace=False)] = True
-            rules.append(ff.train(f"**/d{j}/kernel", mask=mask.reshape(N, N)))
+        m, chain_plan = sampled_chain(kernels, N, seed, more=lambda j: 7 * j + seed)  # a length of its own each
         lowered.clear()
-        frz = ff.Freezer(m, ff.Plan(rules), gradients="sliced")
+        frz = ff.Freezer(m, chain_plan, gradients="sliced")
         assert {gradient_kind(frz, f"d{j}/kernel") for j in range(kernels)} == {"sampled"}
         frz.wrap(keras.optimizers.Adam()).build(m.trainable_variables)
         return len(lowered)
@@ -375,20 +384,11 @@ def test_jax_transposes_a_sampled_kernels_input_in_the_backward_pass():
     width, tokens = 512, 256
 
     def temporaries(layers: int) -> int:
-        keras.utils.set_random_seed(1)
-        i = keras.Input((width,))
-        h = i
-        for j in range(layers):
-            h = keras.layers.Dense(width, activation="tanh", name=f"d{j}")(h)
-        m = keras.Model(i, h)
-        rng = np.random.default_rng(0)
-        rules = [ff.freeze("**/kernel")]
-        for j in range(layers):
-            rules.append(ff.train(f"**/d{j}/kernel", mask=np.eye(width, dtype=bool)[rng.permutation(width)]))
-        frz = ff.Freezer(m, ff.Plan(rules), gradients="sliced")
+        m, chain_plan = sampled_chain(layers, width, seed=1, activation="tanh")
+        frz = ff.Freezer(m, chain_plan, gradients="sliced")
         assert {gradient_kind(frz, f"d{j}/kernel") for j in range(layers)} == {"sampled"}
         m.compile(optimizer=frz.wrap(keras.optimizers.Adam()), loss="mse")
-        x = rng.normal(size=(tokens, width)).astype("float32")
+        x = np.random.default_rng(0).normal(size=(tokens, width)).astype("float32")
         m.train_on_batch(x, x)
         groups = (m.trainable_variables, m.non_trainable_variables, m.optimizer.variables, m.metrics_variables)
         state = tuple([v.value for v in vs] for vs in groups)
