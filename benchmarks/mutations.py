@@ -275,6 +275,13 @@ MUTATIONS = [
         "    x = jnp.asarray(x)",
         "KERAS_BACKEND=jax tests/test_slices_sampled.py -k backward_pass",
     ),
+    (
+        "TensorFlow: an optimizer built in a traced step makes its variables in the graph (values kept as constants)",
+        "_backends/tensorflow/__init__.py",
+        "    if not tf.inside_function() or tf.distribute.has_strategy():",
+        "    if True:",
+        "tests/test_kernel_copies.py -k no_values_in_its_graph",
+    ),
 ]
 
 

@@ -227,6 +227,49 @@ def test_a_partially_frozen_kernel_costs_no_kernel_shaped_temporary(kind, mode):
         assert extra["folk"] > extra["floor"], extra
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a tf.function's graph keeps its constants")
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+@pytest.mark.parametrize("kind", ["columns", "scattered", "rows"])
+def test_an_optimizer_built_in_a_traced_step_leaves_no_values_in_its_graph(kind, mode):
+    """Keras builds the optimizer in its first step, while it is traced: the plan's values are not graph constants.
+
+    A variable made while ``tf.function`` traces gets its initial value as
+    a constant of the graph, kept with the function in several copies:
+    ``compact``'s index and trained values, each as large as what trains.
+    No graph made while the step is traced may hold either.
+    """
+    import gc
+
+    import tensorflow as tf
+
+    model, x, kernel, mask = _case(kind)
+    frz = _freezer(model, kernel, mask, "sliced")
+    opt = frz.wrap(keras.optimizers.Adam(1e-3))
+    step = train_step(opt, frz.trainable_variables, _loss(model, x), mode)
+    trained = mask["mask"].reshape(-1)
+    index, values = np.flatnonzero(trained), keras.ops.convert_to_numpy(kernel).reshape(-1)[trained]
+    graphs_before = {id(o) for o in gc.get_objects() if isinstance(o, tf.Graph)}
+    assert not opt.built
+    step.get_concrete_function()
+    assert opt.built, "the optimizer is built in the traced step, as Keras' first step builds it"
+
+    def holds_the_plan(op) -> bool:
+        if op.type != "Const":
+            return False
+        got = tf.make_ndarray(op.get_attr("value")).reshape(-1)[: index.size]
+        return got.size == index.size and (np.array_equal(got, index) or np.array_equal(got, values))
+
+    graphs = [o for o in gc.get_objects() if isinstance(o, tf.Graph) and id(o) not in graphs_before]
+    assert graphs, "the step was traced"
+    found = [op.name for g in graphs for op in g.get_operations() if holds_the_plan(op)]
+    assert found == [], f"{index.size} trained elements"
+    before = keras.ops.convert_to_numpy(kernel).copy()
+    step()
+    after, m = keras.ops.convert_to_numpy(kernel), mask["mask"]
+    assert np.array_equal(after[~m], before[~m]), "frozen elements bit-identical"
+    assert not np.array_equal(after[m], before[m]), "the step trained"
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="copy-on-read is TensorFlow's runtime mode")
 @pytest.mark.parametrize("mode", [m if m != "xla" else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,7 +14,7 @@ The interface:
 - gradients: :func:`is_sparse`, :func:`densify`,
   :func:`select_frozen_to_zero`, :func:`take_sparse`, :func:`spread_sparse`;
 - writes: :func:`scatter_write`, :func:`block_write`, :func:`write_all`,
-  :func:`eager_scope`, :func:`own_buffers`, :func:`read_elements`,
+  :func:`eager_scope`, :func:`build_scope`, :func:`own_buffers`, :func:`read_elements`,
   :func:`write_elements`, :func:`from_host` (a variable's initial value);
 - a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
 - :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`,
@@ -43,6 +43,7 @@ __all__ = [
     "block_write",
     "current",
     "current_value",
+    "build_scope",
     "densify",
     "eager_scope",
     "from_host",
@@ -235,6 +236,11 @@ def map_in_turn(fn, xs, dtype: str):
 
 def eager_scope():
     """A context where variable values can be read eagerly (any context, here)."""
+    return contextlib.nullcontext()
+
+
+def build_scope():
+    """A context where a build makes its variables and their initial values (any context, here)."""
     return contextlib.nullcontext()
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "assign",
     "block_write",
     "current",
+    "build_scope",
     "current_value",
     "eager_scope",
     "flat_dense",
@@ -200,6 +201,11 @@ def write_all(writes, after=()) -> None:
 def eager_scope():
     """A context where variable values can be read eagerly, even while TensorFlow traces a function."""
     return chosen().eager_scope()
+
+
+def build_scope():
+    """A context where a build makes its variables eagerly, also while TensorFlow traces a function."""
+    return chosen().build_scope()
 
 
 def own_buffers(variables) -> None:

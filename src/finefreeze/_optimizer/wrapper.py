@@ -17,7 +17,7 @@ import weakref
 import keras
 
 from finefreeze._backends.distribute import check_cross_replica, check_optimizer
-from finefreeze._backends.variables import own_buffers, write_all
+from finefreeze._backends.variables import build_scope, own_buffers, write_all
 from finefreeze._enforce.layout import Layout
 from finefreeze._enforce.policy import refuse_nan, warn_inexact_mask
 from finefreeze._errors import PlanError
@@ -205,10 +205,11 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         in_force.check_at_build(state, var_list, self.freezer)
         layout = state.layout_for(var_list, self._plan)
         self._warn(layout)
-        state.install(layout, var_list)
-        # built on what it updates: a loaded model's optimizer is built on every variable and
-        # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
-        super().build([v for v in var_list if id(v) not in state.enforcers.frozen_ids])
+        with build_scope():  # not constants of the first step's traced graph (TensorFlow)
+            state.install(layout, var_list)
+            # built on what it updates: a loaded model's optimizer is built on every variable and
+            # takes the frozen ones out (Keras' JAX trainer pairs this list with the model's)
+            super().build([v for v in var_list if id(v) not in state.enforcers.frozen_ids])
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         # Keras' JAX trainer: the list it was built on
