@@ -282,6 +282,13 @@ MUTATIONS = [
         "    if True:",
         "tests/test_kernel_copies.py -k no_values_in_its_graph",
     ),
+    (
+        "TensorFlow: variables made eagerly in a traced step, through tf.function's creator (the step traced twice)",
+        "_keras/instances.py",
+        "        graph._variable_creator_stack = []\n",
+        "        graph._variable_creator_stack = creators\n",
+        "tests/test_kernel_copies.py -k no_values_in_its_graph",
+    ),
 ]
 
 

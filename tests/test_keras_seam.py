@@ -157,6 +157,27 @@ def test_in_stateless_scope():
         assert instances.in_stateless_scope() is True
 
 
+@pytest.mark.backends("tensorflow", reason="tf.function's tracing")
+def test_outside_the_trace():
+    """A variable made in a traced first call: eager, and the call traced once."""
+    import tensorflow as tf
+
+    made = []
+
+    @tf.function
+    def f():
+        if not made:
+            with instances.outside_the_trace():
+                assert tf.executing_eagerly()
+                made.append(tf.Variable(tf.ones((3,))))
+        return made[0] * 2.0
+
+    assert _numpy(f()).tolist() == [2.0, 2.0, 2.0]
+    assert _numpy(f()).tolist() == [2.0, 2.0, 2.0]
+    assert f.experimental_get_tracing_count() == 1
+    assert len(made) == 1 and made[0].numpy().tolist() == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.backends("jax", "torch", reason="off TensorFlow only: there keras.utils.set_random_seed seeds it")
 def test_seed_keras_only():
     """As ``randomness.seed`` uses it, with Python's generator seeded: the same draws again, and the seed recorded."""

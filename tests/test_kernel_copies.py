@@ -236,7 +236,9 @@ def test_an_optimizer_built_in_a_traced_step_leaves_no_values_in_its_graph(kind,
     A variable made while ``tf.function`` traces gets its initial value as
     a constant of the graph, kept with the function in several copies:
     ``compact``'s index and trained values, each as large as what trains.
-    No graph made while the step is traced may hold either.
+    No graph made while the step is traced may hold either; and, no
+    variable made in it, ``tf.function`` traces the step once (having seen
+    one made, it traces again and keeps both graphs).
     """
     import gc
 
@@ -265,6 +267,7 @@ def test_an_optimizer_built_in_a_traced_step_leaves_no_values_in_its_graph(kind,
     assert found == [], f"{index.size} trained elements"
     before = keras.ops.convert_to_numpy(kernel).copy()
     step()
+    assert step.experimental_get_tracing_count() == 1
     after, m = keras.ops.convert_to_numpy(kernel), mask["mask"]
     assert np.array_equal(after[~m], before[~m]), "frozen elements bit-identical"
     assert not np.array_equal(after[m], before[m]), "the step trained"

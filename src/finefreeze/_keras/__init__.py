@@ -13,6 +13,7 @@ Keras private name (``tests/test_layering.py`` counts them).
   cache, step count and per-variable update;
 - :mod:`.layers`: a layer's sub-layers and own weights, its graph, its
   kernel attributes, a convolution's causal padding;
-- :mod:`.instances`: attributes set on instances (a layer's ``call``, marks)
-  and the scopes and seeds Keras keeps in its global state.
+- :mod:`.instances`: attributes set on instances (a layer's ``call``, marks),
+  the scopes and seeds Keras keeps in its global state, and variables made
+  outside the step Keras' TensorFlow trainer traces.
 """

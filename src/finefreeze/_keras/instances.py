@@ -19,6 +19,7 @@ __all__ = [
     "in_stateless_scope",
     "instance_value",
     "no_tracking",
+    "outside_the_trace",
     "patched",
     "remove_instance_value",
     "restore_attributes",
@@ -108,6 +109,34 @@ def no_tracking(fn):
     from keras.src.utils.tracking import no_automatic_dependency_tracking
 
     return no_automatic_dependency_tracking(fn)
+
+
+@contextlib.contextmanager
+def outside_the_trace():
+    """Variables made eagerly and unseen by ``tf.function``, while Keras' TensorFlow trainer traces its first step.
+
+    Relies on: Keras' TensorFlow trainer, without a distribution strategy,
+    builds the optimizer while ``tf.function`` traces the first step;
+    TensorFlow keeps the variable creators of a context in its graph's
+    ``_variable_creator_stack``, where ``tf.function`` puts one of its own
+    while it traces a first call, and traces the call again (keeping both
+    graphs) once that creator has seen a variable made. Under
+    ``tf.init_scope`` with that stack emptied, a variable is a plain eager one.
+    Without the attribute: ``tf.init_scope`` alone (eager, traced twice).
+    """
+    import tensorflow as tf
+
+    with tf.init_scope():
+        graph = tf.compat.v1.get_default_graph()
+        creators = getattr(graph, "_variable_creator_stack", None)
+        if creators is None:
+            yield
+            return
+        graph._variable_creator_stack = []
+        try:
+            yield
+        finally:
+            graph._variable_creator_stack = creators
 
 
 def in_stateless_scope() -> bool:

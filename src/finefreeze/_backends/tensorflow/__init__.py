@@ -24,6 +24,7 @@ from finefreeze._backends import functional
 from finefreeze._backends.arrays import native, unravel
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.functional import *  # noqa: F403  (the defaults this module does not override)
+from finefreeze._keras.instances import outside_the_trace
 
 __all__ = [*functional.__all__]  # the whole interface: ``functional``'s, some of it overridden here
 
@@ -251,17 +252,19 @@ def build_scope():
     """A context where a build makes its variables eagerly, also while a function is traced.
 
     Keras builds an optimizer in its first step, while ``tf.function``
-    traces it. A variable made there gets its initial value as a constant of
-    the function's graph, and the graph keeps it in several copies (the
-    traced graph, its definition, the optimized one): a plan's index and
-    trained values, 1 % of every kernel of a 152 M LLM, held about 190 MB
-    that way. Made eagerly (``tf.init_scope``), a variable's initial value
-    is freed once the variable holds it. Under a ``tf.distribute`` strategy
-    the variables are made where the strategy makes them (its replicas).
+    traces it (without a ``tf.distribute`` strategy). A variable made there
+    gets its initial value as a constant of the traced graph, which
+    TensorFlow keeps in several copies (a plan's index and trained values,
+    1 % of every kernel of a 152 M LLM: about 100 MB), and ``tf.function``,
+    having seen a variable made, traces the step a second time and keeps
+    both graphs (about 10 kB per operation). Here the variables are made
+    eagerly (``tf.init_scope``) and past the function's variable creator: no
+    constant, one trace. Under a strategy they are made where the strategy
+    makes them (its replicas).
     """
     if not tf.inside_function() or tf.distribute.has_strategy():
         return contextlib.nullcontext()
-    return tf.init_scope()
+    return outside_the_trace()
 
 
 def own_buffers(variables) -> None:
