@@ -45,6 +45,7 @@ weight: its ``1 - beta_2 ** step`` rounds to 0 in bfloat16).
     python benchmarks/llm_memory.py --time --rounds 5      # step times, interleaved in one process
     python benchmarks/llm_memory.py --size 1b --dtype bfloat16   # a 1.1 B-parameter config (a GPU's memory)
     KERAS_BACKEND=jax python benchmarks/llm_memory.py --xla-memory --only columns,scattered   # XLA's temporaries too
+    python benchmarks/llm_memory.py --graph-ops --only floor,columns,scattered   # TensorFlow: the traced step's operations
 """
 
 from __future__ import annotations
@@ -232,6 +233,8 @@ def child(a) -> dict:
         out["gradients"] = sorted({v.get("gradient", "dense") for v in rep["variables"] if v["state"] == "partial"})
     if a.xla_memory:
         out["xla_temp_mb"] = xla_temp_mb(model, x, y)
+    if a.graph_ops:
+        out["graph_ops"] = graph_ops()
     return out
 
 
@@ -254,6 +257,22 @@ def xla_temp_mb(model, x, y) -> float | None:
     batch = (keras.tree.map_structure(np.asarray, x), np.asarray(y), None)
     compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, batch).compile()  # compiled, never run
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+def graph_ops() -> int | None:
+    """TensorFlow: the operations of every graph alive (the traced step's, its loops' bodies); None elsewhere.
+
+    A graph's operations are memory for as long as the step lives (about 10 kB each).
+    """
+    import gc
+
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    return sum(len(g.get_operations()) for g in gc.get_objects() if isinstance(g, tf.Graph))
 
 
 def peak_mb() -> float:
@@ -290,6 +309,7 @@ def run_child(variant: str, a) -> dict:
     cmd = [sys.executable, __file__, "--child", variant, "--size", a.size, "--dtype", a.dtype, "--steps", str(a.steps)]
     cmd += ["--gradients", a.gradients, "--workdir", a.workdir, "--examples", str(a.examples)]
     cmd += ["--xla-memory"] if a.xla_memory else []
+    cmd += ["--graph-ops"] if a.graph_ops else []
     got = subprocess.run(cmd, capture_output=True, text=True)
     if got.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{got.stderr[-4000:]}")
@@ -325,6 +345,9 @@ def memory_table(a) -> None:
         plan = r["stages_mb"]["planned"] - r["stages_mb"]["built"]
         print(f"| {v} | {r['trained']:,} | {r['optimizer_state']:,} | {r['peak_mb']:,.0f} | {excess} | "
               f"{r['steady_mb']:,.0f} | {calm} | {plan:,.0f} | {r['step_s']:.2f} | {exact} |")  # fmt: skip
+    counted = {v: r["graph_ops"] for v, r in rows.items() if r.get("graph_ops") is not None}
+    if counted:
+        print("\nOperations of the traced step's graphs: " + ", ".join(f"{v} {n:,}" for v, n in counted.items()))
     temps = {v: r["xla_temp_mb"] for v, r in rows.items() if r.get("xla_temp_mb") is not None}
     if temps:
         print("\nXLA's temporaries of the compiled step, MB: " + ", ".join(f"{v} {t:,.0f}" for v, t in temps.items()))
@@ -403,6 +426,9 @@ def main() -> None:
     ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "finefreeze-llm-memory"))
     ap.add_argument(
         "--xla-memory", action="store_true", help="JAX: also the compiled step's temporaries (XLA's figure)"
+    )
+    ap.add_argument(
+        "--graph-ops", action="store_true", help="TensorFlow: also the operations of the traced step's graphs"
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()

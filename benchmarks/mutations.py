@@ -289,6 +289,14 @@ MUTATIONS = [
         "        graph._variable_creator_stack = creators\n",
         "tests/test_kernel_copies.py -k no_values_in_its_graph",
     ),
+    (
+        "TensorFlow: the sampled product through keras.ops (more operations per scattered kernel in the step)",
+        "_backends/tensorflow/__init__.py",
+        "    per, chunks = functional.chunk_plan(count, x.shape[0], chunk)\n\n    def dots(ab):",
+        "    return functional.gathered_dots(x, dy, a, b, chunk, functional.transposed, map_in_turn)\n"
+        "    per, chunks = functional.chunk_plan(count, x.shape[0], chunk)\n\n    def dots(ab):",
+        "tests/test_kernel_copies.py -k operations_of_a_block",
+    ),
 ]
 
 

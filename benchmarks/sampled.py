@@ -12,6 +12,15 @@ crossover is the largest fraction at which the sampled product is faster.
 
     python benchmarks/sampled.py [--rows 192] [--width 896] [--rounds 7]
     KERAS_BACKEND=jax python benchmarks/sampled.py
+
+``--product``: the library's sampled product as the step runs it (the
+backend's ``sampled_dots``, in chunks) against the same product written in
+``keras.ops`` (``functional.gathered_dots``), at 1 % of the 152 M LLM's
+kernel shapes (512 tokens), side by side in interleaved rounds, and whether
+their sums are the same bits (TensorFlow's and JAX's are: the same gathers
+and sums; PyTorch's ``sampled_addmm`` sums in its own order).
+
+    python benchmarks/sampled.py --product --rounds 9
 """
 
 from __future__ import annotations
@@ -50,6 +59,54 @@ def functions(backend: str, n_in: int, n_out: int):
     return (lambda f: f), dense, sampled
 
 
+def product(a) -> None:
+    """The backend's ``sampled_dots`` against ``functional.gathered_dots``, at 1 % of the LLM's kernel shapes."""
+    import keras
+    import numpy as np
+
+    from finefreeze._backends import functional
+    from finefreeze._backends.chosen import chosen
+    from finefreeze._slices.sampled import SAMPLED_CHUNK
+
+    backend = keras.backend.backend()
+    compile_ = functions(backend, 1, 1)[0]
+    rng = np.random.default_rng(0)
+    tokens = 512
+    print(
+        f"## {backend}: the sampled product of 1 % of a kernel, {tokens} tokens, {a.threads or 'default'} thread(s)\n"
+    )
+    print("| kernel | pairs | backend's, ms | keras.ops, ms | ratio | same bits |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for n_in, n_out in ((8192, 1024), (1024, 8192), (1024, 1024)):
+        x = keras.ops.convert_to_tensor(rng.normal(size=(tokens, n_in)).astype("float32"))
+        dy = keras.ops.convert_to_tensor(rng.normal(size=(tokens, n_out)).astype("float32"))
+        flat = np.sort(rng.choice(n_in * n_out, n_in * n_out // 100, replace=False))
+        flat = flat[: flat.size // 1024 * 1024]  # padded_index's multiple of 1,024
+        i = keras.ops.convert_to_tensor((flat // n_out).astype("int32"))
+        j = keras.ops.convert_to_tensor((flat % n_out).astype("int32"))
+        ours = compile_(lambda x, dy, i, j: chosen().sampled_dots(x, dy, i, j, "a", SAMPLED_CHUNK))
+        shared = compile_(
+            lambda x, dy, i, j: functional.gathered_dots(
+                x, dy, i, j, SAMPLED_CHUNK, functional.transposed, functional.map_in_turn
+            )
+        )
+        same = np.array_equal(
+            keras.ops.convert_to_numpy(ours(x, dy, i, j)), keras.ops.convert_to_numpy(shared(x, dy, i, j))
+        )
+        times = {ours: [], shared: []}
+        for _ in range(a.rounds):
+            for f in times:
+                t0 = time.perf_counter()
+                keras.ops.convert_to_numpy(f(x, dy, i, j)[:1])
+                times[f].append(1000 * (time.perf_counter() - t0))
+        t, u = statistics.median(times[ours]), statistics.median(times[shared])
+        spread = lambda v: f"{statistics.median(v):.1f} ({min(v):.1f}–{max(v):.1f})"  # noqa: E731
+        print(
+            f"| {n_in} × {n_out} | {flat.size:,} | {spread(times[ours])} | {spread(times[shared])} | {t / u:.2f} | "
+            f"{'yes' if same else 'no'} |"
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=192, help="rows of x and dy (batch x positions)")
@@ -57,8 +114,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--product", action="store_true", help="the backend's sampled product against keras.ops'")
     a = ap.parse_args()
     threads(a.threads)
+    if a.product:
+        return product(a)
 
     import keras
     import numpy as np

@@ -189,28 +189,37 @@ def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
     return gathered_dots(x, dy, a, b, chunk, transposed, map_in_turn)
 
 
+def chunk_plan(count: int, tokens, chunk: int) -> tuple[int, int]:
+    """``(per, chunks)``: pairs per chunk and the number of chunks of a sampled product of ``count`` pairs.
+
+    A chunk gathers at most ``chunk`` values of ``x`` (``tokens`` rows of
+    them; None, a graph traced for any batch: chunks for 512). Where a power
+    of two at least a quarter of that long divides ``count``, the chunks are
+    that long and nothing is padded in the step: XLA on a CPU keeps
+    megabytes of compiled code per padded product. (The sampled product's
+    index is padded to a multiple of 1,024 pairs: one does for batches of
+    512 tokens or more.)
+    """
+    per = max(1, min(count, chunk // (int(tokens) if tokens is not None else 512)))
+    even = min(count & -count, 1 << (per.bit_length() - 1))  # the largest power of two <= per dividing count
+    if count % per and 4 * even >= per:
+        per = even
+    return per, -(-count // per)
+
+
 def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
     """:func:`sampled_dots` by gathers: the columns as rows of the transposed arrays, ``chunk`` values at a time.
 
     The chunks run one after another (``map_chunks``, a backend's
     :func:`map_in_turn`), so no temporary grows with the kernel;
-    ``transpose`` is the backend's :func:`transposed`. Where a power of
-    two at least a quarter of the chunk divides the number of pairs, the
-    chunks are that long and nothing is padded in the step: XLA on a CPU
-    keeps megabytes of compiled code per padded product. (The sampled
-    product's index is padded to a multiple of 1,024 pairs: one does for
-    batches of 512 tokens or more.)
+    ``transpose`` is the backend's :func:`transposed`; :func:`chunk_plan`
+    sizes the chunks.
     """
     count = int(a.shape[0])
     dtype = keras.backend.standardize_dtype(x.dtype)
     wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
     xt, dyt = transpose(x), transpose(dy)  # each element's column a contiguous row
-    tokens = x.shape[0]  # unknown in a graph traced for any batch: chunks for 512 tokens
-    per = max(1, min(count, chunk // (int(tokens) if tokens is not None else 512)))
-    even = min(count & -count, 1 << (per.bit_length() - 1))  # the largest power of two <= per dividing count
-    if count % per and 4 * even >= per:
-        per = even
-    chunks = -(-count // per)
+    per, chunks = chunk_plan(count, x.shape[0], chunk)
     if chunks * per > count:  # (ops.pad would make a named Keras operation at every step)
         zeros = ops.zeros((chunks * per - count,), a.dtype)
         a, b = ops.concatenate([a, zeros]), ops.concatenate([b, zeros])
@@ -221,9 +230,8 @@ def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
         yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)
         return ops.sum(xa * yb, axis=1)
 
-    if chunks == 1:
-        return dots(pairs[0])[:count]
-    return ops.reshape(map_chunks(dots, pairs, wide), (-1,))[:count]
+    sums = dots(pairs[0]) if chunks == 1 else ops.reshape(map_chunks(dots, pairs, wide), (-1,))
+    return sums if chunks * per == count else sums[:count]
 
 
 def map_in_turn(fn, xs, dtype: str):

@@ -102,6 +102,10 @@ class Sampled:
 
     def columns(self, flat):
         """``(a, b)``: each element's column of ``x`` and of ``dy``, from its flat index in the variable."""
+        if self.order == "a":  # the variable's axes: x's, then dy's
+            return flat // self.width_y, flat % self.width_y
+        if self.order == "b":
+            return flat % self.width_x, flat // self.width_x
         letters = self.k_spec[::-1] if self.transposed else self.k_spec  # the variable's axes
         strides, acc = {}, 1
         for c in reversed(letters):
