@@ -46,6 +46,7 @@ weight: its ``1 - beta_2 ** step`` rounds to 0 in bfloat16).
     python benchmarks/llm_memory.py --size 1b --dtype bfloat16   # a 1.1 B-parameter config (a GPU's memory)
     KERAS_BACKEND=jax python benchmarks/llm_memory.py --xla-memory --only columns,scattered   # XLA's temporaries too
     python benchmarks/llm_memory.py --graph-ops --only floor,columns,scattered   # TensorFlow: the traced step's operations
+    KERAS_BACKEND=jax python benchmarks/llm_memory.py --jit-compile false --only floor,full,columns   # a step not jitted
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def child(a) -> dict:
         frz = ff.Freezer(model, plan, gradients=a.gradients)
         opt = frz.wrap(keras.optimizers.Adam(1e-4))
     stages["planned"] = peak_mb()
-    model.compile(optimizer=opt, loss=loss)
+    model.compile(optimizer=opt, loss=loss, jit_compile="auto" if a.jit_compile == "auto" else False)
     out["peak_reset"] = restart_peak()
     stages["before training"] = peak_mb()
     # the trained elements' values only: a copy of every kernel would sit in memory through the steps
@@ -310,6 +311,7 @@ def run_child(variant: str, a) -> dict:
     cmd += ["--gradients", a.gradients, "--workdir", a.workdir, "--examples", str(a.examples)]
     cmd += ["--xla-memory"] if a.xla_memory else []
     cmd += ["--graph-ops"] if a.graph_ops else []
+    cmd += ["--jit-compile", a.jit_compile]
     got = subprocess.run(cmd, capture_output=True, text=True)
     if got.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{got.stderr[-4000:]}")
@@ -429,6 +431,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--graph-ops", action="store_true", help="TensorFlow: also the operations of the traced step's graphs"
+    )
+    ap.add_argument(
+        "--jit-compile", default="auto", choices=["auto", "false"], help="Keras' jit_compile (false: no XLA)"
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -297,6 +297,13 @@ MUTATIONS = [
         "    per, chunks = functional.chunk_plan(count, x.shape[0], chunk)\n\n    def dots(ab):",
         "tests/test_kernel_copies.py -k operations_of_a_block",
     ),
+    (
+        "JAX: the plan's resolution keeps each variable's value (an old buffer kept alive after every write)",
+        "_resolve/targets.py",
+        "raw=backend_variable(v),",
+        'raw=getattr(v, "value", v),',
+        "KERAS_BACKEND=jax tests/test_kernel_copies.py -k old_value",
+    ),
 ]
 
 

@@ -390,3 +390,37 @@ def test_scattered_elements_add_about_the_operations_of_a_block(kinds):
     scattered, block = (added(kind) for kind in kinds)
     assert block > 0 and scattered > 0
     assert scattered <= 1.4 * block, f"{kinds[0]} adds {scattered} operations, {kinds[1]} {block}"
+
+
+@pytest.mark.parametrize("run", ["assign", "eager step"])
+def test_a_freezer_keeps_no_old_value_of_the_model_alive(run):
+    """Values a model's variables had when its Freezer was made are not kept once the variables change.
+
+    On JAX a variable's value is an immutable array, replaced by every
+    write: a Freezer that kept the values it saw (to know the variables
+    by) would keep a copy of each one written since, for as long as it
+    lives: every variable after a ``load_weights``, every partially trained
+    kernel after a step that does not donate its buffers
+    (``jit_compile=False``). Elsewhere the value is the backend's own
+    variable, written in place, and stays the variable's.
+    """
+    import gc
+    import weakref
+
+    model, x, kernel, mask = _case("columns")
+    seen = [(v, weakref.ref(v.value)) for v in model.weights]
+    frz = _freezer(model, kernel, mask, "sliced")
+    if run == "assign":  # as load_weights writes every variable
+        for v in model.weights:
+            v.assign(keras.ops.convert_to_numpy(v) + 1)
+    else:
+        model.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-3)), loss="mse", jit_compile=False)
+        model.train_on_batch(x, np.zeros((len(x), 1024), "float32"))
+    gc.collect()
+    kept = [v.path for v, old in seen if old() is not None and old() is not v.value]
+    assert kept == [], f"old values of {kept} are alive"
+    if run == "assign":  # the plan's frozen elements were written behind its back
+        with pytest.raises(ff.FrozenValueChanged):
+            frz.verify()
+    else:
+        frz.verify()

@@ -40,6 +40,7 @@ __all__ = [
     "PAIRS_BY_POSITION",
     "SPARSE_LOOKUPS",
     "as_optimizers_see",
+    "backend_variable",
     "block_write",
     "build_scope",
     "current",
@@ -110,6 +111,19 @@ def current_value(v):
 
 def as_optimizers_see(variable):
     """``variable`` as Keras hands it to an optimizer's per-variable decisions (itself)."""
+    return variable
+
+
+def backend_variable(variable):
+    """The object a plan also knows a Keras variable by: here the variable itself.
+
+    A backend whose Keras variable wraps a variable of its own that lives
+    as long as it (TensorFlow's ``tf.Variable``, PyTorch's ``Parameter``)
+    returns that one, so that a loop handing the optimizer those is
+    understood. Elsewhere a variable's value is an immutable array, a new
+    one after every write (JAX): held, it would keep an old value's buffer
+    alive for as long as the plan.
+    """
     return variable
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "IN_PLACE_FLAG",
     "as_optimizers_see",
     "assign",
+    "backend_variable",
     "block_write",
     "build_scope",
     "current",
@@ -86,6 +87,11 @@ def current_value(v):
 def as_optimizers_see(variable):
     """``variable`` as Keras hands it to an optimizer's per-variable decisions (TensorFlow: its ``tf.Variable``)."""
     return chosen().as_optimizers_see(variable)
+
+
+def backend_variable(variable):
+    """The object a plan also knows a Keras variable by: TensorFlow's ``tf.Variable``, PyTorch's ``Parameter``, else itself."""
+    return chosen().backend_variable(variable)
 
 
 def is_sparse(grad) -> bool:

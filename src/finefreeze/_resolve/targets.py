@@ -11,6 +11,7 @@ from typing import Any
 
 from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._backends.read import read
+from finefreeze._backends.variables import backend_variable
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import set_tag, tag
 from finefreeze._keras.layers import (
@@ -90,7 +91,7 @@ class VarInfo:
     path: str
     names: tuple[str, ...]  # path first, then aliases
     variable: Any  # what the user and optimizer see (keras.Variable or tf.Variable)
-    raw: Any  # the underlying tf.Variable (same object for raw variables)
+    raw: Any  # the backend's variable inside it (backend_variable: tf.Variable, Parameter), or itself
     shape: tuple[int, ...]
     dtype: str
     owner: Any  # owning layer / module, or None
@@ -199,7 +200,6 @@ def collect(target) -> Target:
 
 
 def _collect_keras(root) -> Target:
-    import keras
 
     infos: list[VarInfo] = []
     seen: set[int] = set()
@@ -227,7 +227,7 @@ def _collect_keras(root) -> Target:
                     path=path,
                     names=(path, *scoped_aliases(path, scope)),
                     variable=v,
-                    raw=getattr(v, "value", v) if isinstance(v, keras.Variable) else v,
+                    raw=backend_variable(v),  # not JAX's value: it would keep an old buffer alive
                     shape=shape,
                     dtype=dtype,
                     owner=layer,
@@ -280,7 +280,7 @@ def _collect_list(variables) -> Target:
     seen = set()
     for i, v in enumerate(variables):
         if isinstance(v, keras.Variable):
-            raw, is_keras = v.value, True
+            raw, is_keras = backend_variable(v), True
         else:
             tf = tf or tensorflow_imported()
             if tf is None or not isinstance(v, tf.Variable):
@@ -324,9 +324,7 @@ def _collect_module(module) -> Target:
         shape, dtype = _shape_dtype(v)
         is_keras = isinstance(v, keras.Variable)
         infos.append(
-            VarInfo(
-                names[0], tuple(names), v, v.value if is_keras else v, shape, dtype, None, base_trainable(v), is_keras
-            )
+            VarInfo(names[0], tuple(names), v, backend_variable(v), shape, dtype, None, base_trainable(v), is_keras)
         )
     layers = [module] + list(module.submodules)
     return Target(module, "module", infos, layers)

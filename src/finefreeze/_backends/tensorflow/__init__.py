@@ -53,6 +53,11 @@ def as_optimizers_see(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+def backend_variable(variable):
+    """The ``tf.Variable`` inside a ``keras.Variable`` (a custom loop may hand the optimizer those)."""
+    return native(variable)
+
+
 def is_sparse(grad) -> bool:
     """Whether ``grad`` is ``IndexedSlices`` (an embedding's gradient)."""
     return isinstance(grad, tf.IndexedSlices)

@@ -27,6 +27,11 @@ INT64_INDICES_ONLY = True  # index_put_ takes int64 indices only
 PAIRS_BY_POSITION = False
 
 
+def backend_variable(variable):
+    """The ``torch.nn.Parameter`` inside a ``keras.Variable`` (it lives as long as the variable; writes are in place)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
 def is_sparse(grad) -> bool:
     """Whether ``grad`` is a PyTorch sparse tensor (a sliced embedding's rows)."""
     return getattr(grad, "is_sparse", False) is True
