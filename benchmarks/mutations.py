@@ -229,8 +229,8 @@ MUTATIONS = [
     (
         "sampled product: each element's row paired with its own row, not its column",
         "_backends/functional.py",
-        "        yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)",
-        "        yb = ops.cast(ops.take(dyt, pair[0], axis=0), wide)",
+        "xa, yb = gather(xt, ab[0]), gather(dyt, ab[1])",
+        "xa, yb = gather(xt, ab[0]), gather(dyt, ab[0])",
         "tests/test_slices_sampled.py -k plain_keras",
     ),
     (
@@ -290,11 +290,10 @@ MUTATIONS = [
         "tests/test_kernel_copies.py -k no_values_in_its_graph",
     ),
     (
-        "TensorFlow: the sampled product through keras.ops (more operations per scattered kernel in the step)",
+        "TensorFlow: the sampled product gathers with keras.ops.take (more operations per scattered kernel)",
         "_backends/tensorflow/__init__.py",
-        "    per, chunks = functional.chunk_plan(count, x.shape[0], chunk)\n\n    def dots(ab):",
-        "    return functional.gathered_dots(x, dy, a, b, chunk, functional.transposed, map_in_turn)\n"
-        "    per, chunks = functional.chunk_plan(count, x.shape[0], chunk)\n\n    def dots(ab):",
+        "functional.transposed, map_in_turn, tf.gather)",
+        "functional.transposed, map_in_turn)",
         "tests/test_kernel_copies.py -k operations_of_a_block",
     ),
     (

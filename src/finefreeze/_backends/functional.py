@@ -221,30 +221,36 @@ def chunk_plan(count: int, tokens, chunk: int) -> tuple[int, int]:
     return per, -(-count // per)
 
 
-def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks):
+def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks, gather=None):
     """:func:`sampled_dots` by gathers: the columns as rows of the transposed arrays, ``chunk`` values at a time.
 
     The chunks run one after another (``map_chunks``, a backend's
-    :func:`map_in_turn`), so no temporary grows with the kernel;
-    ``transpose`` is the backend's :func:`transposed`; :func:`chunk_plan`
-    sizes the chunks.
+    :func:`map_in_turn`, over the chunks' ``(a, b)`` as two arrays), so no
+    temporary grows with the kernel; ``transpose`` is the backend's
+    :func:`transposed`; :func:`chunk_plan` sizes the chunks. ``gather(t,
+    rows)``: the backend's gather of whole rows, at indices never negative
+    (default ``keras.ops.take``, which also handles negative ones: in a
+    TensorFlow graph, operations per kernel that the step keeps).
     """
+    gather = gather or functools.partial(ops.take, axis=0)
     count = int(a.shape[0])
     dtype = keras.backend.standardize_dtype(x.dtype)
     wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
     xt, dyt = transpose(x), transpose(dy)  # each element's column a contiguous row
     per, chunks = chunk_plan(count, x.shape[0], chunk)
+
+    def dots(ab):
+        xa, yb = gather(xt, ab[0]), gather(dyt, ab[1])
+        if dtype != wide:
+            xa, yb = ops.cast(xa, wide), ops.cast(yb, wide)
+        return ops.sum(xa * yb, axis=1)
+
+    if chunks == 1:
+        return dots((a, b))
     if chunks * per > count:  # (ops.pad would make a named Keras operation at every step)
         zeros = ops.zeros((chunks * per - count,), a.dtype)
         a, b = ops.concatenate([a, zeros]), ops.concatenate([b, zeros])
-    pairs = ops.stack([ops.reshape(a, (chunks, per)), ops.reshape(b, (chunks, per))], axis=1)
-
-    def dots(pair):
-        xa = ops.cast(ops.take(xt, pair[0], axis=0), wide)
-        yb = ops.cast(ops.take(dyt, pair[1], axis=0), wide)
-        return ops.sum(xa * yb, axis=1)
-
-    sums = dots(pairs[0]) if chunks == 1 else ops.reshape(map_chunks(dots, pairs, wide), (-1,))
+    sums = ops.reshape(map_chunks(dots, (ops.reshape(a, (chunks, per)), ops.reshape(b, (chunks, per))), wide), (-1,))
     return sums if chunks * per == count else sums[:count]
 
 

@@ -235,37 +235,15 @@ def write_all(writes, after=()) -> None:
 
 
 def sampled_dots(x, dy, a, b, order, chunk: int):
-    """``functional.sampled_dots`` in TensorFlow's own ops, one chunk at a time, in few operations per kernel.
+    """``functional.sampled_dots`` with TensorFlow's ``map_in_turn`` (one chunk at a time) and ``tf.gather``.
 
-    The same gathers, products and sums as ``functional.gathered_dots``
-    (the same sums, bit for bit), without ``keras.ops.take``'s handling of
-    negative indices (the pairs' columns are never negative) and with the
-    chunks' columns mapped as two tensors rather than sliced from a stack:
-    about half the operations in the loop's body. A graph's operations are
-    memory for as long as the step lives (about 10 kB each, in the traced
-    function and the runtime's copies), and every scattered kernel has its
-    own product.
+    ``tf.gather`` instead of ``keras.ops.take``, whose handling of negative
+    indices (the columns are never negative) was half the operations of
+    the loop's body: a graph's operations are memory for as long as the
+    step lives (about 10 kB each, in the traced function and the runtime's
+    copies), and every scattered kernel has its own product.
     """
-    count = int(a.shape[0])
-    dtype = tf.dtypes.as_dtype(x.dtype)
-    wide = tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype  # half precision summed as matmul sums it
-    xt, dyt = tf.transpose(x), tf.transpose(dy)  # each element's column a contiguous row
-    per, chunks = functional.chunk_plan(count, x.shape[0], chunk)
-
-    def dots(ab):
-        xa, yb = tf.gather(xt, ab[0]), tf.gather(dyt, ab[1])
-        if xa.dtype != wide:
-            xa, yb = tf.cast(xa, wide), tf.cast(yb, wide)
-        return tf.reduce_sum(xa * yb, axis=1)
-
-    if chunks == 1:
-        return dots((a, b))
-    if chunks * per > count:
-        zeros = tf.zeros((chunks * per - count,), a.dtype)
-        a, b = tf.concat([a, zeros], 0), tf.concat([b, zeros], 0)
-    pairs = (tf.reshape(a, (chunks, per)), tf.reshape(b, (chunks, per)))
-    sums = tf.reshape(tf.map_fn(dots, pairs, parallel_iterations=1, fn_output_signature=wide), (-1,))
-    return sums if chunks * per == count else sums[:count]
+    return functional.gathered_dots(x, dy, a, b, chunk, functional.transposed, map_in_turn, tf.gather)
 
 
 def map_in_turn(fn, xs, dtype: str):

@@ -227,9 +227,14 @@ def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
 
 
 def map_in_turn(fn, xs, dtype: str):
-    """``fn`` over the first axis of ``xs`` in a Python loop, results stacked (Keras' ``map`` scans with more work)."""
+    """``fn`` over the first axis of ``xs`` (a tensor, or a tuple of them) in a Python loop, results stacked.
+
+    Keras' ``map`` scans with more work.
+    """
     import torch
 
+    if isinstance(xs, tuple):
+        return torch.stack([fn(x) for x in zip(*(keras.ops.convert_to_tensor(t) for t in xs))])
     return torch.stack([fn(x) for x in keras.ops.convert_to_tensor(xs)])
 
 
