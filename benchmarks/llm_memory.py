@@ -18,6 +18,7 @@ Variants (trained elements at the default size in brackets):
 - ``columns``: 1 % of the output columns (the last axis) of every kernel, and the norms;
 - ``columns-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``scattered``: 1 % of the elements of every kernel, drawn at random, and the norms;
+- ``scattered-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``fisher``: 1 % of the kernels' elements, chosen by ``ff.select(score="fisher")``;
 - ``fisher-columns``: the same budget in whole columns (``structure="columns"``);
 - ``select``: the fisher selection itself: its peak, and its time per example after its
@@ -76,6 +77,7 @@ VARIANTS = [
     "columns",
     "columns-qv",
     "scattered",
+    "scattered-qv",
     "select",
     "fisher",
     "fisher-columns",
@@ -144,9 +146,13 @@ def plan_for(variant: str, model, size: str, workdir: str):
             n = max(1, round(FRACTION * v.shape[-1]))
             rules.append(ff.train(f"{v.path}[..., :{n}]"))
         return ff.Plan(base + rules)
-    if variant == "scattered":
+    if variant in ("scattered", "scattered-qv"):
         rng = np.random.default_rng(2)
-        rules = [ff.train(v.path, mask=rng.random(v.shape) < FRACTION) for v in kernels(model)]
+        rules = [
+            ff.train(v.path, mask=rng.random(v.shape) < FRACTION)
+            for v in kernels(model)
+            if variant == "scattered" or v.path.split("/")[-2] in ("query", "value")
+        ]
         return ff.Plan(base + rules)
     if variant in ("fisher", "fisher-columns"):
         return ff.Plan.load(os.path.join(workdir, f"{variant}.json"))

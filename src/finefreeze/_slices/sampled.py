@@ -146,6 +146,6 @@ class Sampled:
         """The trained elements' gradient: ``flat`` is their :func:`padded_index`, the repeats' sums dropped."""
         x = self._as_columns(x, self.x_spec, self.xk, self.width_x)
         dy = self._as_columns(dy, self.y_spec, self.yk, self.width_y)
-        a, b = self.columns(ops.convert_to_tensor(flat))
-        sums = chosen().sampled_dots(x, dy, a, b, self.order, SAMPLED_CHUNK)  # float32 sums; the tap casts them
+        flat = ops.convert_to_tensor(flat)
+        sums = chosen().sampled_dots(x, dy, flat, self.columns, self.order, SAMPLED_CHUNK)  # float32; the tap casts
         return sums if int(sums.shape[0]) == self.count else sums[: self.count]
