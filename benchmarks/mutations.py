@@ -229,8 +229,8 @@ MUTATIONS = [
     (
         "sampled product: each element's row paired with its own row, not its column",
         "_backends/functional.py",
-        "xa, yb = gather(xt, ab[0]), gather(dyt, ab[1])",
-        "xa, yb = gather(xt, ab[0]), gather(dyt, ab[0])",
+        "xa, yb = gather(xt, a), gather(dyt, b)",
+        "xa, yb = gather(xt, a), gather(dyt, a)",
         "tests/test_slices_sampled.py -k plain_keras",
     ),
     (
@@ -302,6 +302,20 @@ MUTATIONS = [
         "raw=backend_variable(v),",
         'raw=getattr(v, "value", v),',
         "KERAS_BACKEND=jax tests/test_kernel_copies.py -k old_value",
+    ),
+    (
+        "JAX: the sampled product's columns in signed arithmetic (sign corrections compiled per kernel)",
+        "_backends/jax/__init__.py",
+        "return columns(part.astype(unsigned))",
+        "return columns(part)",
+        "KERAS_BACKEND=jax tests/test_kernel_copies.py -k compiled_code",
+    ),
+    (
+        "JAX: the sampled product gathers with keras.ops.take (bounds handling compiled per kernel)",
+        "_backends/jax/__init__.py",
+        "functional.transposed, functional.map_in_turn, gather",
+        "functional.transposed, functional.map_in_turn",
+        "KERAS_BACKEND=jax tests/test_kernel_copies.py -k compiled_code",
     ),
 ]
 

@@ -21,6 +21,16 @@ their sums are the same bits (TensorFlow's and JAX's are: the same gathers
 and sums; PyTorch's ``sampled_addmm`` sums in its own order).
 
     python benchmarks/sampled.py --product --rounds 9
+
+``--compiled`` (JAX): what XLA compiles per sampled product, which a CPU
+holds in memory for as long as the step lives. One program of ``K``
+products (1 % of a 1,024 x 1,024-ish kernel each, a width of its own, 512
+tokens), compiled in a process of its own for ``K`` = 1 and 32: the
+resident memory it leaves, its peak while compiling (``VmHWM`` started over
+before), and the optimized program's instructions; per product, the
+difference over the 31 more.
+
+    KERAS_BACKEND=jax python benchmarks/sampled.py --compiled
 """
 
 from __future__ import annotations
@@ -82,22 +92,25 @@ def product(a) -> None:
         dy = keras.ops.convert_to_tensor(rng.normal(size=(tokens, n_out)).astype("float32"))
         flat = np.sort(rng.choice(n_in * n_out, n_in * n_out // 100, replace=False))
         flat = flat[: flat.size // 1024 * 1024]  # padded_index's multiple of 1,024
-        i = keras.ops.convert_to_tensor((flat // n_out).astype("int32"))
-        j = keras.ops.convert_to_tensor((flat % n_out).astype("int32"))
-        ours = compile_(lambda x, dy, i, j: chosen().sampled_dots(x, dy, i, j, "a", SAMPLED_CHUNK))
+        index = keras.ops.convert_to_tensor(flat.astype("int32"))
+
+        def columns(part, n_out=n_out):
+            return part // n_out, part % n_out
+
+        ours = compile_(lambda x, dy, k: chosen().sampled_dots(x, dy, k, columns, "a", SAMPLED_CHUNK))
         shared = compile_(
-            lambda x, dy, i, j: functional.gathered_dots(
-                x, dy, i, j, SAMPLED_CHUNK, functional.transposed, functional.map_in_turn
+            lambda x, dy, k: functional.gathered_dots(
+                x, dy, k, columns, SAMPLED_CHUNK, functional.transposed, functional.map_in_turn
             )
         )
         same = np.array_equal(
-            keras.ops.convert_to_numpy(ours(x, dy, i, j)), keras.ops.convert_to_numpy(shared(x, dy, i, j))
+            keras.ops.convert_to_numpy(ours(x, dy, index)), keras.ops.convert_to_numpy(shared(x, dy, index))
         )
         times = {ours: [], shared: []}
         for _ in range(a.rounds):
             for f in times:
                 t0 = time.perf_counter()
-                keras.ops.convert_to_numpy(f(x, dy, i, j)[:1])
+                keras.ops.convert_to_numpy(f(x, dy, index)[:1])
                 times[f].append(1000 * (time.perf_counter() - t0))
         t, u = statistics.median(times[ours]), statistics.median(times[shared])
         spread = lambda v: f"{statistics.median(v):.1f} ({min(v):.1f}–{max(v):.1f})"  # noqa: E731
@@ -105,6 +118,78 @@ def product(a) -> None:
             f"| {n_in} × {n_out} | {flat.size:,} | {spread(times[ours])} | {spread(times[shared])} | {t / u:.2f} | "
             f"{'yes' if same else 'no'} |"
         )
+
+
+def compiled(count: int) -> dict:
+    """Compile ``count`` sampled products in one jitted program; the memory it took (MB) and its instructions."""
+    import ctypes
+    import gc
+    import inspect
+
+    import jax
+    import numpy as np
+
+    from finefreeze._backends.chosen import chosen
+    from finefreeze._slices.sampled import SAMPLED_CHUNK, padded_index
+
+    def status(key: str) -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+    rng = np.random.default_rng(0)
+    tokens, n_in = 512, 1024
+    widths = [1024 + k for k in range(count)]  # a shape of its own each: nothing shared between them
+    xs = [jax.numpy.asarray(rng.normal(size=(tokens, n_in)).astype("float32")) for _ in widths]
+    dys = [jax.numpy.asarray(rng.normal(size=(tokens, w)).astype("float32")) for w in widths]
+    index = [
+        jax.numpy.asarray(padded_index(np.flatnonzero(rng.random((n_in, w)) < 0.01)).astype("int32")) for w in widths
+    ]
+
+    def products(xs, dys, index):
+        out = []
+        for x, dy, k, w in zip(xs, dys, index, widths):
+            if "flat" in inspect.signature(chosen().sampled_dots).parameters:
+                out.append(chosen().sampled_dots(x, dy, k, lambda part, w=w: (part // w, part % w), "a", SAMPLED_CHUNK))
+            else:  # an earlier tree (PYTHONPATH at it), whose product took the pairs' columns
+                out.append(chosen().sampled_dots(x, dy, k // w, k % w, "a", SAMPLED_CHUNK))
+        return out
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    before = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM from here
+    program = jax.jit(products).lower(xs, dys, index).compile()
+    peak = status("VmHWM:") - before
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    text = program.as_text()
+    held = status("VmRSS:") - before
+    lines = sum(1 for line in text.splitlines() if line.lstrip().startswith(("%", "ROOT %")) and " = " in line)
+    return {"products": count, "held_mb": held, "peak_mb": peak, "instructions": lines}
+
+
+def compiled_table() -> None:
+    import json
+    import subprocess
+
+    rows = []
+    for count in (1, 32):
+        got = subprocess.run(
+            [sys.executable, __file__, "--compiled-child", str(count)], capture_output=True, text=True, check=True
+        )
+        rows.append(json.loads(got.stdout.strip().splitlines()[-1]))
+    one, many = rows
+    n = many["products"] - one["products"]
+    print("## jax: sampled products compiled in one program (1 % of 1,024 x ~1,024 each, 512 tokens)\n")
+    print("| products | held MB | peak MB while compiling | instructions |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['products']} | {r['held_mb']:.1f} | {r['peak_mb']:.1f} | {r['instructions']:,} |")
+    print(
+        f"| per product | {(many['held_mb'] - one['held_mb']) / n:.2f} | {(many['peak_mb'] - one['peak_mb']) / n:.2f} "
+        f"| {(many['instructions'] - one['instructions']) / n:.0f} |"
+    )
 
 
 def main():
@@ -115,7 +200,15 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--product", action="store_true", help="the backend's sampled product against keras.ops'")
+    ap.add_argument("--compiled", action="store_true", help="JAX: memory and instructions XLA compiles per product")
+    ap.add_argument("--compiled-child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.compiled_child:
+        import json
+
+        return print(json.dumps(compiled(a.compiled_child)))
+    if a.compiled:
+        return compiled_table()
     threads(a.threads)
     if a.product:
         return product(a)

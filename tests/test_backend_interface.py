@@ -55,7 +55,9 @@ def test_transposed_gives_the_transpose_with_each_row_whole_in_memory():
 def test_sampled_dots_give_each_pairs_dot_product_in_the_pairs_order(order):
     """``sum_n x[n, a] * dy[n, b]`` per pair, for pairs sorted by ``a``, by ``b`` or neither, at the product's bound.
 
-    (PyTorch's is a sampled sparse product: its pattern's rows are ``a``, ``b`` or the pairs sorted first.)
+    The pairs come as flat indices and the function that gives their columns (any part of them: the
+    gathers compute each chunk's in its turn). (PyTorch's is a sampled sparse product: its pattern's rows
+    are ``a``, ``b`` or the pairs sorted first.)
     """
     import numpy as np
 
@@ -66,11 +68,16 @@ def test_sampled_dots_give_each_pairs_dot_product_in_the_pairs_order(order):
         key = a * 13 + b if order == "a" else b * 9 + a
         _, first = np.unique(key, return_index=True)  # distinct pairs, sorted by the key
         a, b = a[first], b[first]
+    flat = b * 9 + a if order == "b" else a * 13 + b
+
+    def columns(part):
+        return (part % 9, part // 9) if order == "b" else (part // 13, part % 13)
+
     got = chosen().sampled_dots(
         keras.ops.convert_to_tensor(x),
         keras.ops.convert_to_tensor(dy),
-        keras.ops.convert_to_tensor(a.astype("int32")),
-        keras.ops.convert_to_tensor(b.astype("int32")),
+        keras.ops.convert_to_tensor(flat.astype("int32")),
+        columns,
         order,
         40 * 7,  # 7 pairs a chunk where the product gathers
     )

@@ -185,22 +185,24 @@ def transposed(t):
     return keras.ops.transpose(t)
 
 
-def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
-    """``sum_n x[n, a[k]] * dy[n, b[k]]`` for each pair ``k`` (a sampled product), summed in float32 at least.
+def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int):
+    """``sum_n x[n, a] * dy[n, b]`` for each pair ``(a, b) = columns(flat)`` (a sampled product), in float32 at least.
 
     Here: :func:`gathered_dots` with this module's :func:`transposed` and :func:`map_in_turn`.
 
     Args:
         x: ``(N, A)``.
         dy: ``(N, B)``.
-        a, b: the pairs' columns of ``x`` and of ``dy`` (int).
+        flat: the pairs' flat indices (int, never negative).
+        columns: ``flat -> (a, b)``, the pairs' columns of ``x`` and of ``dy``, for any part of ``flat``
+            (written in ``keras.ops``: a backend may hand it an unsigned copy of ``flat``).
         order: ``"a"``: the pairs are sorted by ``a``, then ``b``; ``"b"``: by ``b``, then ``a``; None: neither.
         chunk: the most values of ``x`` (and of ``dy``) gathered at once.
 
     Returns:
         The pairs' sums, float32 (float64 for float64 inputs).
     """
-    return gathered_dots(x, dy, a, b, chunk, transposed, map_in_turn)
+    return gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn)
 
 
 def chunk_plan(count: int, tokens, chunk: int) -> tuple[int, int]:
@@ -221,36 +223,39 @@ def chunk_plan(count: int, tokens, chunk: int) -> tuple[int, int]:
     return per, -(-count // per)
 
 
-def gathered_dots(x, dy, a, b, chunk: int, transpose, map_chunks, gather=None):
+def gathered_dots(x, dy, flat, columns, chunk: int, transpose, map_chunks, gather=None):
     """:func:`sampled_dots` by gathers: the columns as rows of the transposed arrays, ``chunk`` values at a time.
 
     The chunks run one after another (``map_chunks``, a backend's
-    :func:`map_in_turn`, over the chunks' ``(a, b)`` as two arrays), so no
-    temporary grows with the kernel; ``transpose`` is the backend's
-    :func:`transposed`; :func:`chunk_plan` sizes the chunks. ``gather(t,
-    rows)``: the backend's gather of whole rows, at indices never negative
-    (default ``keras.ops.take``, which also handles negative ones: in a
-    TensorFlow graph, operations per kernel that the step keeps).
+    :func:`map_in_turn`, over chunks of ``flat``), so no temporary grows
+    with the kernel; each chunk's columns are computed in its turn, from its
+    part of ``flat`` (``columns``: no array of every pair's ``a`` and ``b``
+    lives through the loop, and XLA compiles the arithmetic into the
+    gathers). ``transpose`` is the backend's :func:`transposed`;
+    :func:`chunk_plan` sizes the chunks. ``gather(t, rows)``: the backend's
+    gather of whole rows, at indices never negative (default
+    ``keras.ops.take``, which also handles negative ones: in a TensorFlow
+    graph, operations per kernel that the step keeps).
     """
     gather = gather or functools.partial(ops.take, axis=0)
-    count = int(a.shape[0])
+    count = int(flat.shape[0])
     dtype = keras.backend.standardize_dtype(x.dtype)
     wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
     xt, dyt = transpose(x), transpose(dy)  # each element's column a contiguous row
     per, chunks = chunk_plan(count, x.shape[0], chunk)
 
-    def dots(ab):
-        xa, yb = gather(xt, ab[0]), gather(dyt, ab[1])
+    def dots(part):
+        a, b = columns(part)
+        xa, yb = gather(xt, a), gather(dyt, b)
         if dtype != wide:
             xa, yb = ops.cast(xa, wide), ops.cast(yb, wide)
         return ops.sum(xa * yb, axis=1)
 
     if chunks == 1:
-        return dots((a, b))
+        return dots(flat)
     if chunks * per > count:  # (ops.pad would make a named Keras operation at every step)
-        zeros = ops.zeros((chunks * per - count,), a.dtype)
-        a, b = ops.concatenate([a, zeros]), ops.concatenate([b, zeros])
-    sums = ops.reshape(map_chunks(dots, (ops.reshape(a, (chunks, per)), ops.reshape(b, (chunks, per))), wide), (-1,))
+        flat = ops.concatenate([flat, ops.zeros((chunks * per - count,), flat.dtype)])
+    sums = ops.reshape(map_chunks(dots, ops.reshape(flat, (chunks, per)), wide), (-1,))
     return sums if chunks * per == count else sums[:count]
 
 

@@ -7,9 +7,12 @@ the column of the layer's input and ``b`` the column of its output
 gradient that the element joins. :class:`Sampled` computes those dot
 products only (the backend's ``sampled_dots``: the columns gathered in
 chunks of a bounded size, or PyTorch's sampled sparse product), for
-``Dense`` and ``EinsumDense`` kernels and a tied table's reverse projection;
+``Dense`` and ``EinsumDense`` kernels;
 :func:`finefreeze._slices.product.sliced_product` hands them to the
-kernel's stand-in.
+kernel's stand-in. (It also reads a variable through its transpose, as a
+tied table's reverse projection would; the Freezer gives scattered
+elements of an embedding table the dense gradient for now: their lookup's
+gradient has no sampled product here.)
 """
 
 from __future__ import annotations
@@ -146,6 +149,6 @@ class Sampled:
         """The trained elements' gradient: ``flat`` is their :func:`padded_index`, the repeats' sums dropped."""
         x = self._as_columns(x, self.x_spec, self.xk, self.width_x)
         dy = self._as_columns(dy, self.y_spec, self.yk, self.width_y)
-        a, b = self.columns(ops.convert_to_tensor(flat))
-        sums = chosen().sampled_dots(x, dy, a, b, self.order, SAMPLED_CHUNK)  # float32 sums; the tap casts them
+        flat = ops.convert_to_tensor(flat)
+        sums = chosen().sampled_dots(x, dy, flat, self.columns, self.order, SAMPLED_CHUNK)  # float32; the tap casts
         return sums if int(sums.shape[0]) == self.count else sums[: self.count]

@@ -234,7 +234,7 @@ def write_all(writes, after=()) -> None:
         merged(tf.distribute.get_strategy(), *args)
 
 
-def sampled_dots(x, dy, a, b, order, chunk: int):
+def sampled_dots(x, dy, flat, columns, order, chunk: int):
     """``functional.sampled_dots`` with TensorFlow's ``map_in_turn`` (one chunk at a time) and ``tf.gather``.
 
     ``tf.gather`` instead of ``keras.ops.take``, whose handling of negative
@@ -243,7 +243,7 @@ def sampled_dots(x, dy, a, b, order, chunk: int):
     step lives (about 10 kB each, in the traced function and the runtime's
     copies), and every scattered kernel has its own product.
     """
-    return functional.gathered_dots(x, dy, a, b, chunk, functional.transposed, map_in_turn, tf.gather)
+    return functional.gathered_dots(x, dy, flat, columns, chunk, functional.transposed, map_in_turn, tf.gather)
 
 
 def map_in_turn(fn, xs, dtype: str):

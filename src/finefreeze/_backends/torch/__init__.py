@@ -182,7 +182,7 @@ def transposed(t):
     return keras.ops.convert_to_tensor(t).T.contiguous()
 
 
-def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
+def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int):
     """Each pair's ``sum_n x[n, a] * dy[n, b]``: PyTorch's sampled dense-dense product (``sampled_addmm``).
 
     The pairs are the pattern of a sparse CSR matrix (rows ``a``, or ``b``
@@ -197,10 +197,11 @@ def sampled_dots(x, dy, a, b, order: str | None, chunk: int):
     import torch
 
     if torch.compiler.is_compiling():
-        return functional.gathered_dots(x, dy, a, b, chunk, transposed, map_in_turn)
+        return functional.gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn)
     x, dy = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(dy)
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    a, b = keras.ops.convert_to_tensor(a).long(), keras.ops.convert_to_tensor(b).long()
+    a, b = columns(keras.ops.convert_to_tensor(flat))
+    a, b = a.long(), b.long()
     if order == "b":
         rows, cols, left, right = b, a, dy.to(wide).T, x.to(wide)
     else:
