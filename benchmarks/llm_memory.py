@@ -130,6 +130,11 @@ def kernels(model):
     return [v for v in model.weights if v.path.endswith("/kernel") and "lora" not in v.path]
 
 
+def lora_default(v) -> bool:
+    """Whether ``v`` is a kernel of the layers KerasHub's ``enable_lora`` adapts by default (query and value)."""
+    return v.path.split("/")[-2] in ("query", "value")
+
+
 def plan_for(variant: str, model, size: str, workdir: str):
     """The plan (or None: plain Keras) and the Freezer's ``gradients`` of a variant."""
     import numpy as np
@@ -146,7 +151,7 @@ def plan_for(variant: str, model, size: str, workdir: str):
     if variant in ("columns", "columns-qv"):
         rules = []
         for v in kernels(model):
-            if variant == "columns-qv" and v.path.split("/")[-2] not in ("query", "value"):
+            if variant == "columns-qv" and not lora_default(v):
                 continue
             n = max(1, round(FRACTION * v.shape[-1]))
             rules.append(ff.train(f"{v.path}[..., :{n}]"))
@@ -156,7 +161,7 @@ def plan_for(variant: str, model, size: str, workdir: str):
         rules = [
             ff.train(v.path, mask=rng.random(v.shape) < FRACTION)
             for v in kernels(model)
-            if variant == "scattered" or v.path.split("/")[-2] in ("query", "value")
+            if variant == "scattered" or lora_default(v)
         ]
         return ff.Plan(base + rules)
     if variant in ("fisher", "fisher-columns"):

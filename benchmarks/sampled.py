@@ -145,10 +145,12 @@ def compiled(count: int) -> dict:
         jax.numpy.asarray(padded_index(np.flatnonzero(rng.random((n_in, w)) < 0.01)).astype("int32")) for w in widths
     ]
 
+    takes_flat = "flat" in inspect.signature(chosen().sampled_dots).parameters
+
     def products(xs, dys, index):
         out = []
         for x, dy, k, w in zip(xs, dys, index, widths):
-            if "flat" in inspect.signature(chosen().sampled_dots).parameters:
+            if takes_flat:
                 out.append(chosen().sampled_dots(x, dy, k, lambda part, w=w: (part // w, part % w), "a", SAMPLED_CHUNK))
             else:  # an earlier tree (PYTHONPATH at it), whose product took the pairs' columns
                 out.append(chosen().sampled_dots(x, dy, k // w, k % w, "a", SAMPLED_CHUNK))
