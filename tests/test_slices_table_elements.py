@@ -80,8 +80,12 @@ def test_scattered_elements_of_a_table_are_its_elements_and_a_small_block_of_row
     assert ks.kind == "table elements" and eligible
     assert choose(layer, layer.embeddings, ~SCATTERED, "dense") == (None, False)
     rows = np.ones((VOCAB, DIM), bool)
-    rows[[4, 90, 200], ::3] = False  # elements of three rows: the rows' gradient, the lookup's own
+    rows[[4, 90, 200], ::3] = False  # elements of three rows (1 % of them): the rows' gradient, the lookup's own
     assert choose(layer, layer.embeddings, rows, "sliced")[0].kind == "rows"
+    half = np.ones((VOCAB, DIM), bool)
+    half[::2, ::16] = False  # 3 % of the elements, in half the rows: the elements' gradient, not half the table's
+    assert kernel_slice(layer, layer.embeddings, half).fraction == 0.5
+    assert choose(layer, layer.embeddings, half, "sliced")[0].kind == "table elements"
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["embedding", "tied"])

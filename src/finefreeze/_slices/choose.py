@@ -20,6 +20,10 @@ A ``Dense`` kernel whose few trained elements lie in no small block
 *sampled product* instead (:func:`kernel_sample`): the gradient at those
 elements only, ``sum(x[:, i] * dy[:, j])`` per trained ``(i, j)``, which
 pays below a few tenths of a percent of a kernel (:data:`AUTO_SAMPLES`).
+An embedding table's scattered elements (at most :data:`SAMPLE_AT_MOST`
+of it, in rows that are more than that) get the lookup's gradient at
+them alone (``"table elements"``): the rows' block would be most of the
+table.
 
 Only layers whose ``call`` is Keras' own are sliced (a subclass with a call
 of its own keeps the dense path), without LoRA or quantization, and
@@ -257,9 +261,11 @@ def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None =
     if mode == "dense":
         return ks, False
     block = ks if ks is not None and (mode == "sliced" or pays(ks, backend)) else None
-    if block is not None and block.kind == "rows":  # a table's rows: their gradient is the lookup's own
-        return block, True
     sample = kernel_sample(layer, variable, frozen)
+    if block is not None and block.kind == "rows":  # a table: its rows (the lookup's own gradient) while they are few
+        if sample is None or block.fraction <= SAMPLE_AT_MOST:
+            return block, True
+        return sample, True  # its elements: the batch's size, not the rows' (half the table, as a 1 % mask can be)
     if sample is not None and (mode == "sliced" or pays(sample, backend)):
         crossover = auto_samples(backend) or SAMPLE_AT_MOST  # unmeasured: "sliced"'s
         if block is None or sample.fraction / crossover < block.fraction:

@@ -172,7 +172,7 @@ class TableElements:
         >>> import numpy as np
         >>> te = TableElements((40, 6), np.array([7, 8, 200]))
         >>> te.count, te.starts[:3].tolist(), te.widest
-        (3, [0, 1, 3], 2)
+        (3, [0, 0, 2], 2)
     """
 
     def __init__(self, shape, trained: np.ndarray):
