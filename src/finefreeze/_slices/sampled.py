@@ -23,6 +23,7 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.chosen import chosen
+from finefreeze._slices.product import wrapped
 
 __all__ = ["INDEX_BLOCK", "SAMPLED_CHUNK", "Sampled", "TableElements", "padded_index"]
 
@@ -191,8 +192,6 @@ class TableElements:
 
     def lookup_gradient(self, ids, dy, flat):
         """The trained elements' gradient: ``flat`` is their :func:`padded_index` (the repeats' values dropped)."""
-        from finefreeze._slices.product import wrapped
-
         ids = wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), self.shape[0])
         dy = ops.reshape(dy, (-1, self.shape[1]))
         return chosen().table_elements_gradient(self, ids, dy, ops.convert_to_tensor(flat))
