@@ -317,6 +317,27 @@ MUTATIONS = [
         "functional.transposed, functional.map_in_turn",
         "KERAS_BACKEND=jax tests/test_kernel_copies.py -k compiled_code",
     ),
+    (
+        "PyTorch: the autograd function's class made in the step (torch.compile splits the step there)",
+        "_backends/torch/__init__.py",
+        "    from finefreeze._backends.torch.autograd_function import Tap\n",
+        "    from finefreeze._backends.torch.autograd_function import Tap as T\n\n    class Tap(T):\n        pass\n",
+        "KERAS_BACKEND=torch tests/test_slices.py -k traces_a_sliced_call",
+    ),
+    (
+        "PyTorch: a table's rows' places a NumPy array, converted in the step (torch.compile splits the step there)",
+        "_slices/product.py",
+        "self._row_of = chosen().index_constant(_row_of(self.shape[0], self.index[0]))",
+        "self._row_of = _row_of(self.shape[0], self.index[0])",
+        "KERAS_BACKEND=torch tests/test_slices.py -k traces_a_sliced_call",
+    ),
+    (
+        "the backend module imported at every call, as functools.cache's wrapper has torch.compile trace it",
+        "_backends/chosen.py",
+        "    return _CHOSEN[0]",
+        "    return importlib.import_module(_CHOSEN[0].__name__)",
+        "KERAS_BACKEND=torch tests/test_slices.py -k traces_a_sliced_call",
+    ),
 ]
 
 

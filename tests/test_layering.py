@@ -44,6 +44,9 @@ LOCAL_IMPORTS = {
     ("finefreeze._freezer.freezer", "finefreeze._tf1.target"),
     # the lazy public namespace: ``import finefreeze`` imports no Keras
     ("finefreeze.__init__", "finefreeze._keras_hook"),
+    # imports torch at its top: only once a step runs on PyTorch (the interface's modules are all imported
+    # by its test, on every backend); a class made in the step instead would split a torch.compile'd one
+    ("finefreeze._backends.torch", "finefreeze._backends.torch.autograd_function"),
 }
 #: modules whose local imports are all deliberate: the command line imports Keras only once a command runs
 LAZY_MODULES = {"finefreeze._cli.commands", "finefreeze._cli.inputs", "finefreeze._cli.finetune"}

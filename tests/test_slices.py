@@ -501,3 +501,116 @@ def test_the_optimizer_keeps_its_freezer_and_the_stand_ins_go_with_both():
     m.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     gc.collect()
     assert len(m.weights) == 4
+
+
+def _compiled_cases():
+    """(name, model, the Freezer's plan, input) for each kind of sliced call: a product, a convolution, a lookup."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 256)).astype("float32")
+    ids = rng.integers(0, 40, (8, 7)).astype("int32")
+    images = rng.normal(size=(4, 6, 6, 3)).astype("float32")
+
+    def dense(name="d"):
+        i = keras.Input((256,))
+        return keras.Model(i, keras.layers.Dense(2, name="head")(keras.layers.Dense(256, name=name)(i)))
+
+    def einsum():
+        i = keras.Input((256,))
+        h = keras.layers.EinsumDense("ab,bcd->acd", (4, 8), name="d")(i)
+        return keras.Model(i, keras.layers.Flatten()(h))
+
+    def conv():
+        i = keras.Input((6, 6, 3))
+        return keras.Model(i, keras.layers.Flatten()(keras.layers.Conv2D(5, 3, name="d")(i)))
+
+    def table(tied=False):
+        i = keras.Input((7,), dtype="int32")
+        if tied:
+            emb = keras.layers.ReversibleEmbedding(40, 6, name="tok")
+            return keras.Model(i, emb(emb(i), reverse=True))
+        h = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(40, 6, name="tok")(i))
+        return keras.Model(i, keras.layers.Dense(2, name="head")(h))
+
+    scattered = np.eye(256, dtype=bool)[rng.permutation(256)]
+    some_of_rows = np.zeros((40, 6), bool)
+    some_of_rows[[3, 17, 30], ::2] = True
+    heads = np.zeros((256, 4, 8), bool)
+    heads[:, 1] = True
+    return [
+        ("columns", dense, "d/kernel[:, 10:20]", None, x),
+        ("rows, an index list", dense, "d/kernel[[1, 5, 9]]", None, x),
+        ("scattered elements", dense, "d/kernel", scattered, x),
+        ("a head of an EinsumDense", einsum, "d/kernel", heads, x),
+        ("output channels of a convolution", conv, "d/kernel[..., 1:3]", None, images),
+        ("new rows of a table", table, "tok/embeddings[35:]", None, ids),
+        ("rows of a table, an index list", table, "tok/embeddings[[1, 7, 30]]", None, ids),
+        ("elements of rows of a table", table, "tok/embeddings", some_of_rows, ids),
+        ("rows of a tied table", lambda: table(tied=True), "tok/embeddings[35:]", None, ids),
+    ]
+
+
+#: the sliced calls whose backward computes no ``autograd.grad`` (a block's product does: Dynamo splits there)
+TRACED_WHOLE = (
+    "scattered elements",
+    "new rows of a table",
+    "rows of a table, an index list",
+    "elements of rows of a table",
+)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile's tracing (Dynamo)")
+@pytest.mark.parametrize("case", [c for c in _compiled_cases() if c[0] in TRACED_WHOLE], ids=lambda c: c[0])
+def test_torch_compile_traces_a_sliced_call_and_its_backward_whole(case):
+    """``torch.compile(fullgraph=True)`` traces the call, and the backward its autograd function speculates, in one graph.
+
+    A graph break inside the step split every compiled step there (the
+    backend module chosen behind ``functools.cache``, whose wrapper Dynamo
+    traces into an import; a class made inside the step; a NumPy index an
+    op converts; a dict filled in the step), and a break in a scattered
+    kernel's backward ran its rest as a frame of its own, which PyTorch 2.13
+    fails to compile again at a new batch size (``IndexError`` in
+    ``pgo.is_stride_dynamic``: a value in it is a view of a sparse tensor).
+    The compiled step's gradient of the stand-in is the eager one's, within :data:`BOUND`.
+    """
+    import torch
+
+    name, build, rows, mask, data = case
+    keras.utils.set_random_seed(2)
+    m = build()
+    variable = rows.split("[")[0]
+    frz = ff.Freezer(m, ff.Plan([ff.freeze(variable), ff.train(rows, mask=mask)]), gradients="sliced")
+    assert {v["path"]: v["gradient"] for v in frz.report()["variables"]}[variable] in ("sliced", "sampled"), name
+    standin = m.get_layer(variable.split("/")[0]).__dict__[MARK].standin.value
+
+    def loss(t):
+        return (m(t, training=True) ** 2).sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, fullgraph=True)):  # fullgraph: a graph break raises
+        standin.grad = None
+        fn(torch.as_tensor(data)).backward()
+        grads.append(standin.grad.detach().cpu().numpy().copy())
+    eager, compiled = grads
+    assert eager.shape == compiled.shape and np.abs(eager).max() > 0, name
+    assert np.abs(compiled - eager).max() <= BOUND * np.abs(eager).max(), name
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile's recompilation at a new batch size")
+def test_a_compiled_torch_fit_at_a_new_batch_size_keeps_the_frozen_elements():
+    """``jit_compile=True`` trains every kind of sliced call, compiled again at a second batch size, frozen bytes kept."""
+    for name, build, rows, mask, data in _compiled_cases():
+        keras.utils.set_random_seed(2)
+        m = build()
+        variable = rows.split("[")[0]
+        frz = ff.Freezer(m, ff.Plan([ff.freeze(variable), ff.train(rows, mask=mask)]), gradients="sliced")
+        kernel = next(w for w in m.weights if w.path == variable)
+        before = np.array(keras.ops.convert_to_numpy(kernel))
+        target = np.zeros((len(data),) + tuple(m.output.shape[1:]), "float32")
+        m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse", jit_compile=True)
+        for batch in (4, 2):
+            m.fit(data, target, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        after = np.array(keras.ops.convert_to_numpy(kernel))
+        frozen = frz.frozen_mask(variable)
+        assert np.array_equal(after[frozen], before[frozen]), name
+        assert (after[~frozen] != before[~frozen]).any(), name
+        frz.verify()

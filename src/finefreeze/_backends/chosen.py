@@ -9,7 +9,6 @@ itself for Keras' NumPy backend. Only the chosen framework is imported.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from types import ModuleType
 
@@ -20,10 +19,20 @@ __all__ = ["chosen", "has_int64", "indexes_in_int64_only", "lookups_are_sparse",
 _MODULES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
 
-@functools.cache
+_CHOSEN: list[ModuleType] = []  # the module, once imported
+
+
 def chosen() -> ModuleType:
-    """The module implementing the backend interface for the Keras backend in force (imported once)."""
-    return importlib.import_module(f"finefreeze._backends.{_MODULES.get(keras_backend(), 'functional')}")
+    """The module implementing the backend interface for the Keras backend in force (imported once).
+
+    Held in a module-level list rather than behind ``functools.cache``:
+    ``torch.compile`` traces through a cache's wrapper into the import
+    (which it does not trace, so every call split the compiled step),
+    while a list it reads and guards like any other global.
+    """
+    if not _CHOSEN:
+        _CHOSEN.append(importlib.import_module(f"finefreeze._backends.{_MODULES.get(keras_backend(), 'functional')}"))
+    return _CHOSEN[0]
 
 
 def has_int64() -> bool:

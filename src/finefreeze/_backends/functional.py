@@ -48,6 +48,7 @@ __all__ = [
     "densify",
     "eager_scope",
     "from_host",
+    "index_constant",
     "has_int64",
     "in_xla",
     "is_sparse",
@@ -87,6 +88,11 @@ def has_int64() -> bool:
 def from_host(array: np.ndarray):
     """``array``, a host array, as a variable's initial value on this backend (as is here: Keras converts it)."""
     return array
+
+
+def index_constant(index: np.ndarray):
+    """``index``, a host array of indices a traced step reads as a constant: as is here (each op converts it)."""
+    return index
 
 
 def prefer_in_place_updates() -> bool:

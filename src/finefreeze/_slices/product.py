@@ -89,6 +89,13 @@ def _positions(frozen: np.ndarray | None, index) -> np.ndarray | None:
     return np.flatnonzero(~sub).astype(np.int32)
 
 
+def _row_of(rows: int, index: np.ndarray) -> np.ndarray:
+    """Each of a table's ``rows`` rows' place in the block of rows ``index`` (``len(index)`` for rows outside it)."""
+    out = np.full(rows, len(index), np.int32)
+    out[index] = np.arange(len(index), dtype=np.int32)
+    return out
+
+
 class Taken:
     """A block of a kernel holding its trained elements: its indices per axis, and the axes of ``x`` and ``y``.
 
@@ -116,6 +123,7 @@ class Taken:
         table_frozen = None if frozen is None else np.asarray(frozen, dtype=bool)
         #: the trained elements' places in the flattened block (table order); None: all of it
         self.positions = _positions(table_frozen, table_index)
+        self._positions = None if self.positions is None else chosen().index_constant(self.positions)
         # per sliced axis: (start, stop) of a range, or the index list (taken by a gather)
         self.places = []
         for idx in self.index:
@@ -126,6 +134,10 @@ class Taken:
             else:
                 self.places.append(idx)
         self._grads: dict = {}
+        #: with a list of rows: each row's place in the block (``len(block)`` outside it), for a table's lookups
+        self._row_of = None
+        if self.index and self.places[0] is not None and not isinstance(self.places[0], tuple):
+            self._row_of = chosen().index_constant(_row_of(self.shape[0], self.index[0]))
 
     @staticmethod
     def _take(t, axis: int, idx, place):
@@ -157,7 +169,7 @@ class Taken:
         if self.transposed:
             block = ops.transpose(block)
         flat = ops.reshape(block, (-1,))
-        return flat if self.positions is None else ops.take(flat, self.positions, axis=0)
+        return flat if self._positions is None else ops.take(flat, self._positions, axis=0)
 
     def gradient_of(self, op: Callable) -> Callable:
         """``(x, dy, kernel) -> the stand-in's gradient``, one function per ``op`` (compilers guard on it)."""
@@ -177,13 +189,13 @@ class Taken:
         n = self.block_shape[0]
         ids = wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), self.shape[0])
         place = self.places[0]
+        if place is None:  # the whole table
+            return ids
         if isinstance(place, tuple):
             pos = ops.subtract(ids, place[0])
             inside = ops.logical_and(ops.greater_equal(pos, 0), ops.less(pos, n))
             return ops.where(inside, pos, n)
-        lookup_table = np.full(self.shape[0], n, np.int32)
-        lookup_table[self.index[0]] = np.arange(n, dtype=np.int32)
-        return ops.take(ops.convert_to_tensor(lookup_table), ids, axis=0)
+        return ops.take(ops.convert_to_tensor(self._row_of), ids, axis=0)
 
     def rows_of(self, ids, dy):
         """The stand-in's gradient of a table looked up at ``ids``: ``dy`` summed per row of the block.

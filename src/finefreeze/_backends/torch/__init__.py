@@ -32,6 +32,11 @@ def backend_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+def index_constant(index: np.ndarray):
+    """``index`` as a tensor, made once: ``torch.compile`` traces no NumPy array an op converts in the step."""
+    return keras.ops.convert_to_tensor(index)
+
+
 def is_sparse(grad) -> bool:
     """Whether ``grad`` is a PyTorch sparse tensor (a sliced embedding's rows)."""
     return getattr(grad, "is_sparse", False) is True
@@ -131,32 +136,20 @@ def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
         flat.index_put_((where.to(flat.device),), new.to(device=flat.device, dtype=flat.dtype))
 
 
-_TAP: list = []  # the autograd.Function, made once (torch.compile guards on its class)
-
-
 def tap(y, x, k, s, weight_gradient):
     """``y`` through a ``torch.autograd.Function`` whose backward hands ``dy`` on and gives ``s`` its gradient."""
-    if not _TAP:
-        import torch
+    from finefreeze._backends.torch.autograd_function import Tap
 
-        class Tap(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, y, x, k, s, weight_gradient):
-                ctx.save_for_backward(x, k)
-                ctx.weight_gradient, ctx.dtype = weight_gradient, s.dtype
-                return y.view_as(y)
-
-            @staticmethod
-            def backward(ctx, dy):
-                x, k = ctx.saved_tensors
-                return dy, None, None, ctx.weight_gradient(x, dy, k).to(ctx.dtype), None
-
-        _TAP.append(Tap)
-    return _TAP[0].apply(y, x, k, s, weight_gradient)
+    return Tap.apply(y, x, k, s, weight_gradient)
 
 
 def vjp(op, x, k, dy):
-    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: ``torch.autograd.grad``."""
+    """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: ``torch.autograd.grad``.
+
+    ``torch.compile`` traces no ``autograd.grad``: a compiled step runs the
+    backward of a block's product as Python (``torch.func.vjp``, which it
+    traces, leaks its transform into the rest of Keras' compiled step).
+    """
     import torch
 
     with torch.enable_grad():  # slices are strided views; PyTorch's CPU convolutions want them contiguous
