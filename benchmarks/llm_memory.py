@@ -19,6 +19,8 @@ Variants (trained elements at the default size in brackets):
 - ``columns-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``scattered``: 1 % of the elements of every kernel, drawn at random, and the norms;
 - ``scattered-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
+- ``scattered-table``: 1 % of the elements of the tied token embedding, drawn at random (their
+  rows are nearly every row: no block of rows is small), and the norms;
 - ``fisher``: 1 % of the kernels' elements, chosen by ``ff.select(score="fisher")``;
 - ``fisher-columns``: the same budget in whole columns (``structure="columns"``);
 - ``select``: the fisher selection itself: its peak, and its time per example after its
@@ -83,6 +85,7 @@ VARIANTS = [
     "columns-qv",
     "scattered",
     "scattered-qv",
+    "scattered-table",
     "select",
     "fisher",
     "fisher-columns",
@@ -164,6 +167,10 @@ def plan_for(variant: str, model, size: str, workdir: str):
             if variant == "scattered" or lora_default(v)
         ]
         return ff.Plan(base + rules)
+    if variant == "scattered-table":
+        table = next(v for v in model.weights if v.path == "token_embedding/embeddings")
+        mask = np.random.default_rng(2).random(table.shape) < FRACTION
+        return ff.Plan([*base, ff.train(table.path, mask=mask)])
     if variant in ("fisher", "fisher-columns"):
         return ff.Plan.load(os.path.join(workdir, f"{variant}.json"))
     raise SystemExit(f"unknown variant {variant!r}")

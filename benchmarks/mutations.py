@@ -338,6 +338,27 @@ MUTATIONS = [
         "    return importlib.import_module(_CHOSEN[0].__name__)",
         "KERAS_BACKEND=torch tests/test_slices.py -k traces_a_sliced_call",
     ),
+    (
+        "a table's scattered elements: each reads the first entry past its row (searchsorted side right)",
+        "_backends/functional.py",
+        'ops.searchsorted(ids, row, side="left")',
+        'ops.searchsorted(ids, row, side="right")',
+        "KERAS_BACKEND=jax tests/test_slices_table_elements.py -k plain_keras",
+    ),
+    (
+        "TensorFlow: a table's scattered elements' gradient summed per id, not Keras' entries (Adam's moments differ)",
+        "_backends/tensorflow/__init__.py",
+        "def table_elements_gradient(elements, ids, dy, flat):",
+        "def _entries(elements, ids, dy, flat):",
+        "tests/test_slices_table_elements.py -k dense_path",
+    ),
+    (
+        "choose: a table's scattered elements take the table's dense gradient",
+        "_slices/choose.py",
+        'geometry[0] not in ("dense", "einsum", "rows")',
+        'geometry[0] not in ("dense", "einsum")',
+        "KERAS_BACKEND=jax tests/test_slices_table_elements.py -k costs_the_batch",
+    ),
 ]
 
 

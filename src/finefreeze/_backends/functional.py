@@ -63,6 +63,7 @@ __all__ = [
     "scatter_write",
     "select_frozen_to_zero",
     "snapshot",
+    "table_elements_gradient",
     "spread_sparse",
     "take_sparse",
     "tap",
@@ -318,6 +319,29 @@ def rows_gradient(taken, segment, dy):
     """A table's trained rows' gradient: ``dy`` summed per row of the block (``segment``: each entry's row)."""
     n = taken.block_shape[0]
     return taken.trained(ops.segment_sum(dy, segment, num_segments=n + 1)[:n])
+
+
+def table_elements_gradient(elements, ids, dy, flat):
+    """A table's scattered trained elements' gradient: ``dy`` summed per distinct id, each element reading its own.
+
+    ``ids``: the batch's ids, counted from the start; ``dy``: ``(len(ids),
+    width)``; ``flat``: the elements' padded flat indices (the repeats past
+    ``elements.count`` dropped). Elements whose row is not in the batch get
+    ``0``.
+    """
+    width = elements.shape[1]
+    n = ids.shape[0] if ids.shape[0] is not None else ops.shape(ids)[0]
+    order = ops.argsort(ids)
+    ids, dy = ops.take(ids, order, axis=0), ops.take(dy, order, axis=0)  # the entries by id
+    first = ops.concatenate([ops.ones((1,), "bool"), ops.not_equal(ids[1:], ids[:-1])])
+    slot = ops.subtract(ops.cumsum(ops.cast(first, "int32")), 1)  # each entry's distinct id's place
+    sums = ops.reshape(ops.segment_sum(dy, slot, num_segments=n), (-1,))
+    row = ops.cast(ops.floor_divide(flat, width), "int32")
+    column = ops.cast(ops.mod(flat, width), "int32")
+    at = ops.cast(ops.minimum(ops.searchsorted(ids, row, side="left"), n - 1), "int32")  # the row's first entry
+    value = ops.take(sums, ops.add(ops.multiply(ops.take(slot, at, axis=0), width), column), axis=0)
+    out = ops.where(ops.equal(ops.take(ids, at, axis=0), row), value, ops.zeros_like(value))
+    return out if int(out.shape[0]) == elements.count else out[: elements.count]
 
 
 def in_xla() -> bool:

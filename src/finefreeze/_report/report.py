@@ -6,7 +6,7 @@ from finefreeze._enforce.policy import sparse_gradients
 from finefreeze._report.groups import batchnorm_line, build_groups, partial_label
 from finefreeze._report.state_size import optimizer_state
 from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
-from finefreeze._slices.choose import sliced_gradient
+from finefreeze._slices.choose import SAMPLED_KINDS, sliced_gradient
 
 __all__ = ["build_report", "format_summary"]
 
@@ -34,7 +34,7 @@ def _gradient(s) -> str:
     ks = sliced_gradient(s.info.owner, s.variable) if s.state == PARTIAL else None
     if ks is None and sparse_gradients(s.info.owner):  # TensorFlow embeddings: the batch's rows (IndexedSlices)
         return "sparse"
-    return "dense" if ks is None else "sampled" if ks.kind == "sampled" else "sliced"
+    return "dense" if ks is None else "sampled" if ks.kind in SAMPLED_KINDS else "sliced"
 
 
 def build_report(frz, words: dict = KERAS_WORDS) -> dict:

@@ -34,9 +34,9 @@ from finefreeze._keras.instances import instance_value, remove_instance_value, s
 from finefreeze._keras.layers import causal_padding, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
-from finefreeze._slices.choose import MARK, KernelSlice, choose
+from finefreeze._slices.choose import MARK, SAMPLED_KINDS, KernelSlice, choose
 from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
-from finefreeze._slices.sampled import Sampled, padded_index
+from finefreeze._slices.sampled import Sampled, TableElements, padded_index
 
 __all__ = ["set_sliced"]
 
@@ -181,10 +181,12 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     trained = np.flatnonzero(~np.asarray(frozen, dtype=bool))
     if ks.kind == "sampled":
         taken = Sampled(*_specs(layer, ks), ks.shape, len(trained))
+    elif ks.kind == "table elements":
+        taken = TableElements(ks.shape, trained)
     else:
         taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis, frozen)
     # a stand-in while the layer slices; a kernel held dense (its slice moves often) changes elements without one
-    reads = padded_index(trained) if ks.kind == "sampled" else None  # what the sampled product reads
+    reads = padded_index(trained) if ks.kind in SAMPLED_KINDS else None  # what the product of elements reads
     holder = attach(layer, variable, trained, index=reads) if on else None
     mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen))
     plain = type(layer).call.__get__(layer)
@@ -197,10 +199,10 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     def standin():
         return ops.convert_to_tensor(mark.standin)
 
-    index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind == "sampled" else (lambda: None)
+    index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind in SAMPLED_KINDS else (lambda: None)
 
-    if ks.kind == "rows":
-        call = _lookup_call(layer, ks, plain, taken, mark, frozen, now, standin)
+    if ks.kind in ("rows", "table elements"):
+        call = _lookup_call(layer, ks, plain, taken, mark, frozen, now, standin, index)
     elif ks.kind in ("dense", "einsum", "sampled"):
         call = _product_call(layer, ks, plain, taken, now, standin, index)
     else:
@@ -260,7 +262,7 @@ def _conv_call(layer, plain, taken, now, standin):
     return call
 
 
-def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standin):
+def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standin, index):
     """The call of an ``Embedding`` (or ``ReversibleEmbedding``) whose trained elements lie in some rows.
 
     The lookup hands the trained rows' gradient to the stand-in; a tied
@@ -271,12 +273,15 @@ def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standi
     """
     reversible = type(layer).call is not keras.layers.Embedding.call  # ReversibleEmbedding: its mask in call
     tf_rows = lookups_are_sparse(layer)
-    transposed = Taken(ks.shape[::-1], (None, ks.index[0]), (-1, None), (None, -1), frozen, transposed=True)
+    if ks.kind == "table elements":  # scattered elements: the reverse projection's sampled product
+        transposed = Sampled("...i", "ij", "...j", ks.shape[::-1], len(ks.index[0]), transposed=True)
+    else:
+        transposed = Taken(ks.shape[::-1], (None, ks.index[0]), (-1, None), (None, -1), frozen, transposed=True)
 
     def lookup_call(inputs):
         ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
         if now():
-            outputs = looked_up(layer.embeddings, ids, taken, standin())
+            outputs = looked_up(layer.embeddings, ids, taken, standin(), index())
         else:
             outputs = read_rows(layer.embeddings, ids)
         outputs = ops.cast(outputs, dtype=layer.compute_dtype)
@@ -290,7 +295,7 @@ def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standi
         if layer.reverse_dtype is not None:
             inputs = ops.cast(inputs, layer.reverse_dtype)
             kernel = ops.cast(kernel, layer.reverse_dtype)
-        logits = sliced_product(ops.matmul, inputs, kernel, transposed, standin())
+        logits = sliced_product(ops.matmul, inputs, kernel, transposed, standin(), index=index())
         if layer.logit_soft_cap is not None:
             soft_cap = layer.logit_soft_cap
             logits = ops.multiply(ops.tanh(ops.divide(logits, soft_cap)), soft_cap)

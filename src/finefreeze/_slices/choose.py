@@ -20,6 +20,10 @@ A ``Dense`` kernel whose few trained elements lie in no small block
 *sampled product* instead (:func:`kernel_sample`): the gradient at those
 elements only, ``sum(x[:, i] * dy[:, j])`` per trained ``(i, j)``, which
 pays below a few tenths of a percent of a kernel (:data:`AUTO_SAMPLES`).
+An embedding table's scattered elements (at most :data:`SAMPLE_AT_MOST`
+of it, in rows that are more than that) get the lookup's gradient at
+them alone (``"table elements"``): the rows' block would be most of the
+table.
 
 Only layers whose ``call`` is Keras' own are sliced (a subclass with a call
 of its own keeps the dense path), without LoRA or quantization, and
@@ -50,6 +54,7 @@ __all__ = [
     "AUTO_PAYS",
     "AUTO_SAMPLES",
     "MARK",
+    "SAMPLED_KINDS",
     "SAMPLE_AT_MOST",
     "SLICE_AT_MOST",
     "KernelSlice",
@@ -71,6 +76,9 @@ MARK = "_finefreeze_sliced"
 #: a block of at most this fraction of its kernel gets its own weight gradient (docs/benchmarks.md)
 SLICE_AT_MOST = 0.5
 
+#: the kinds of :class:`KernelSlice` that list elements, not a block
+SAMPLED_KINDS = ("sampled", "table elements")
+
 #: ``gradients="sliced"``: the largest fraction of a ``Dense`` or ``EinsumDense`` kernel whose scattered trained
 #: elements get the sampled product; it is the memory choice (no kernel-shaped gradient), slower than the whole
 #: product from about 1 % on JAX and PyTorch on a CPU
@@ -84,11 +92,13 @@ class KernelSlice:
     ``index[i]``: the block's sorted indices along kernel axis ``i`` (None: the
     whole axis); ``x_axis[i]`` / ``y_axis[i]``: the axis of the layer's input /
     output that kernel axis ``i`` is contracted with / becomes (None: neither).
-    A ``"sampled"`` one lists elements, not a block: ``index`` is
-    ``(sorted flat indices of the trained elements,)``.
+    A ``"sampled"`` or ``"table elements"`` one lists elements, not a block:
+    ``index`` is ``(sorted flat indices of the trained elements,)``.
     """
 
-    kind: str  # "dense" | "einsum" | "conv" | "rows" (an embedding's rows) | "sampled" (a Dense kernel's elements)
+    # "dense" | "einsum" | "conv" | "rows" (an embedding's rows) | "sampled" (a Dense kernel's elements)
+    # | "table elements" (an embedding table's scattered elements)
+    kind: str
     shape: tuple[int, ...]
     index: tuple[np.ndarray | None, ...]
     x_axis: tuple[int | None, ...]
@@ -96,7 +106,7 @@ class KernelSlice:
 
     @property
     def size(self) -> int:
-        if self.kind == "sampled":
+        if self.kind in SAMPLED_KINDS:
             return len(self.index[0])
         return int(np.prod([n if i is None else len(i) for n, i in zip(self.shape, self.index)], dtype=np.int64))
 
@@ -186,8 +196,11 @@ def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
 
 
 def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
-    """The trained elements of a ``Dense`` or ``EinsumDense`` kernel, for the sampled product, at most
-    :data:`SAMPLE_AT_MOST` of it.
+    """The trained elements of a ``Dense`` or ``EinsumDense`` kernel or an embedding's table, at most
+    :data:`SAMPLE_AT_MOST` of it, for the gradient of those elements alone.
+
+    A table's elements (``"table elements"``) get the lookup's gradient at
+    them (and a tied table's reverse projection the sampled product).
 
     An ``EinsumDense`` kernel qualifies when each of its axes is contracted
     with the input or becomes an output axis (not both), and every other
@@ -200,12 +213,13 @@ def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
         frozen: its frozen-element mask (True = frozen).
 
     Returns:
-        A ``"sampled"`` :class:`KernelSlice` (``index``: the sorted flat
-        indices of the trained elements), or None: not such a kernel,
-        nothing trained, or more than :data:`SAMPLE_AT_MOST`.
+        A ``"sampled"`` (or ``"table elements"``) :class:`KernelSlice`
+        (``index``: the sorted flat indices of the trained elements), or
+        None: not such a kernel, nothing trained, or more than
+        :data:`SAMPLE_AT_MOST`.
     """
     geometry = _geometry(layer, variable)
-    if geometry is None or geometry[0] not in ("dense", "einsum"):
+    if geometry is None or geometry[0] not in ("dense", "einsum", "rows"):
         return None
     if geometry[0] == "einsum" and not sampled_equation(layer.equation):
         return None
@@ -214,7 +228,8 @@ def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
     if n == 0 or n > SAMPLE_AT_MOST * frozen.size:
         return None
     flat = np.flatnonzero(~frozen.reshape(-1)).astype(np.int64)
-    return KernelSlice("sampled", tuple(int(d) for d in variable.shape), (flat,), *geometry[1:])
+    kind = "table elements" if geometry[0] == "rows" else "sampled"
+    return KernelSlice(kind, tuple(int(d) for d in variable.shape), (flat,), *geometry[1:])
 
 
 def sampled_equation(equation: str) -> bool:
@@ -247,6 +262,10 @@ def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None =
         return ks, False
     block = ks if ks is not None and (mode == "sliced" or pays(ks, backend)) else None
     sample = kernel_sample(layer, variable, frozen)
+    if block is not None and block.kind == "rows":  # a table: its rows (the lookup's own gradient) while they are few
+        if sample is None or block.fraction <= SAMPLE_AT_MOST:
+            return block, True
+        return sample, True  # its elements: the batch's size, not the rows' (half the table, as a 1 % mask can be)
     if sample is not None and (mode == "sliced" or pays(sample, backend)):
         crossover = auto_samples(backend) or SAMPLE_AT_MOST  # unmeasured: "sliced"'s
         if block is None or sample.fraction / crossover < block.fraction:
@@ -265,7 +284,7 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
         s: the block.
         backend: the Keras backend (default: the one in force).
     """
-    if s.kind == "rows":
+    if s.kind in ("rows", "table elements"):
         return True
     measured = auto_pays(backend)
     if measured is None:  # a backend never measured (numpy takes no gradients): the dense path

@@ -233,13 +233,14 @@ def read_rows(table, ids, *, constant: bool = False):
     return lookup(wrapped(ids, int(table.shape[0])), ops.stop_gradient(value) if constant else value)
 
 
-def looked_up(table, ids, taken: Taken, standin):
-    """``Embedding``'s lookup of ``ids`` in ``table`` whose trained rows' gradient goes to ``standin``.
+def looked_up(table, ids, taken, standin, index=None):
+    """``Embedding``'s lookup of ``ids`` in ``table`` whose trained rows' (or elements') gradient goes to ``standin``.
 
-    The table is read by rows (:func:`read_rows`), never whole.
+    The table is read by rows (:func:`read_rows`), never whole. ``index``:
+    scattered elements' flat indices (``TableElements``), read in the step.
     """
     read = lambda i, _: read_rows(table, i, constant=True)  # noqa: E731
-    return sliced_product(read, ids, ops.zeros(()), taken, standin, lookup)
+    return sliced_product(read, ids, ops.zeros(()), taken, standin, lookup, index=index)
 
 
 def sliced_product(op: Callable, x, kernel, taken, standin, gradient_op: Callable | None = None, index=None):

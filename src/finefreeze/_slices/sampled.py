@@ -9,10 +9,9 @@ products only (the backend's ``sampled_dots``: the columns gathered in
 chunks of a bounded size, or PyTorch's sampled sparse product), for
 ``Dense`` and ``EinsumDense`` kernels;
 :func:`finefreeze._slices.product.sliced_product` hands them to the
-kernel's stand-in. (It also reads a variable through its transpose, as a
-tied table's reverse projection would; the Freezer gives scattered
-elements of an embedding table the dense gradient for now: their lookup's
-gradient has no sampled product here.)
+kernel's stand-in. It also reads a variable through its transpose: a tied
+table's reverse projection. :class:`TableElements` gives scattered
+elements of an embedding's table the lookup's gradient at them alone.
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.chosen import chosen
+from finefreeze._slices.product import wrapped
 
-__all__ = ["INDEX_BLOCK", "SAMPLED_CHUNK", "Sampled", "padded_index"]
+__all__ = ["INDEX_BLOCK", "SAMPLED_CHUNK", "Sampled", "TableElements", "padded_index"]
 
 #: the sampled product gathers at most this many values of ``x`` (and of ``dy``) at a time
 SAMPLED_CHUNK = 1 << 21
@@ -152,3 +152,46 @@ class Sampled:
         flat = ops.convert_to_tensor(flat)
         sums = chosen().sampled_dots(x, dy, flat, self.columns, self.order, SAMPLED_CHUNK)  # float32; the tap casts
         return sums if int(sums.shape[0]) == self.count else sums[: self.count]
+
+
+class TableElements:
+    """Scattered trained elements of an embedding's table: the lookup's gradient at those elements only.
+
+    Element ``(r, c)``'s gradient is the sum of ``dy[n, c]`` over the
+    entries ``n`` whose id is ``r`` (the backend's ``table_elements_gradient``:
+    the batch's ``dy`` summed per distinct id, each element reading its own;
+    on TensorFlow an entry per id and trained element of its row, as
+    Keras' own ``IndexedSlices`` has them). Nothing of the table's shape is
+    made: the dense gradient of a table is the table's size (its
+    temporaries more), this one ``dy``'s size twice and the elements'.
+
+    Args:
+        shape: the table's shape ``(rows, width)``.
+        trained: the sorted flat indices of the trained elements.
+
+    Example:
+        >>> import numpy as np
+        >>> te = TableElements((40, 6), np.array([7, 8, 200]))
+        >>> te.count, te.starts[:3].tolist(), te.widest
+        (3, [0, 0, 2], 2)
+    """
+
+    def __init__(self, shape, trained: np.ndarray):
+        self.shape = tuple(int(d) for d in shape)
+        self.count = int(len(trained))
+        rows, width = self.shape
+        #: where each row's trained elements begin among them (``rows + 1`` values: the last is ``count``)
+        self.starts = np.searchsorted(trained, np.arange(rows + 1, dtype=np.int64) * width).astype(np.int32)
+        #: the most trained elements a row holds
+        self.widest = int(np.diff(self.starts).max()) if rows else 0
+        self._gradient = self.lookup_gradient  # one function for every call (compilers guard on it)
+
+    def gradient_of(self, op: Callable) -> Callable:
+        """``(ids, dy, flat indices) -> the stand-in's gradient`` (``op`` is the lookup)."""
+        return self._gradient
+
+    def lookup_gradient(self, ids, dy, flat):
+        """The trained elements' gradient: ``flat`` is their :func:`padded_index` (the repeats' values dropped)."""
+        ids = wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), self.shape[0])
+        dy = ops.reshape(dy, (-1, self.shape[1]))
+        return chosen().table_elements_gradient(self, ids, dy, ops.convert_to_tensor(flat))

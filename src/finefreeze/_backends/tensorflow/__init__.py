@@ -326,6 +326,27 @@ def tap(y, x, k, s, weight_gradient):
     return tap(y, x, k, s)
 
 
+def table_elements_gradient(elements, ids, dy, flat):
+    """A table's scattered trained elements' gradient as ``IndexedSlices`` over the stand-in, Keras' own form.
+
+    An entry per id of the batch and trained element of its row, duplicates
+    kept (Keras' gradient of a lookup has a row per id, and its optimizers
+    take the entries one by one: Adam's second moment sums their squares).
+    Each id gets ``elements.widest`` entries, those past its row's trained
+    elements ``0.0`` at position 0, which adds nothing.
+    """
+    starts = tf.constant(elements.starts)
+    first = tf.gather(starts, ids)
+    count = tf.gather(starts, ids + 1) - first
+    j = tf.range(elements.widest, dtype=tf.int32)[None, :]
+    used = j < count[:, None]
+    at = tf.where(used, first[:, None] + j, tf.zeros_like(j))  # (ids, widest): each entry's element
+    column = tf.cast(tf.gather(flat, at) % elements.shape[1], tf.int32)
+    values = tf.gather(dy, column, batch_dims=1)
+    values = tf.where(used, values, tf.zeros_like(values))
+    return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(at, (-1,)), tf.constant([elements.count]))
+
+
 def vjp(op, x, k, dy):
     """The gradient of ``sum(op(x, k) * dy)`` with respect to ``k``: ``tf.GradientTape``."""
     with tf.GradientTape(watch_accessed_variables=False) as tape:
