@@ -55,7 +55,17 @@ from keras import ops
 from finefreeze._backends.chosen import chosen
 from finefreeze._backends.variables import is_sparse
 
-__all__ = ["Taken", "full_gradients", "looked_up", "lookup", "sliced_product", "slicing", "spread", "wrapped"]
+__all__ = [
+    "Taken",
+    "flat_ids",
+    "full_gradients",
+    "looked_up",
+    "lookup",
+    "sliced_product",
+    "slicing",
+    "spread",
+    "wrapped",
+]
 
 _full = [0]  # inside full_gradients(): every layer computes its whole weight gradient
 
@@ -187,10 +197,8 @@ class Taken:
     def _segments(self, ids):
         """Each id's row in the block (``len(block)`` for ids outside it), ids counted from the end as Keras takes them."""
         n = self.block_shape[0]
-        ids = wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), self.shape[0])
-        place = self.places[0]
-        if place is None:  # the whole table
-            return ids
+        ids = flat_ids(ids, self.shape[0])
+        place = self.places[0]  # a table's rows: a range or an index list, never the whole axis
         if isinstance(place, tuple):
             pos = ops.subtract(ids, place[0])
             inside = ops.logical_and(ops.greater_equal(pos, 0), ops.less(pos, n))
@@ -208,6 +216,11 @@ class Taken:
         """
         segment = self._segments(ids)
         return chosen().rows_gradient(self, segment, ops.reshape(dy, (-1, self.shape[1])))
+
+
+def flat_ids(ids, rows: int):
+    """A lookup's ids as one int32 vector, counted from the start (:func:`wrapped`)."""
+    return wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), rows)
 
 
 def wrapped(ids, rows: int):

@@ -23,7 +23,7 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.chosen import chosen
-from finefreeze._slices.product import wrapped
+from finefreeze._slices.product import flat_ids
 
 __all__ = ["INDEX_BLOCK", "SAMPLED_CHUNK", "Sampled", "TableElements", "padded_index"]
 
@@ -192,6 +192,6 @@ class TableElements:
 
     def lookup_gradient(self, ids, dy, flat):
         """The trained elements' gradient: ``flat`` is their :func:`padded_index` (the repeats' values dropped)."""
-        ids = wrapped(ops.reshape(ops.cast(ids, "int32"), (-1,)), self.shape[0])
+        ids = flat_ids(ids, self.shape[0])
         dy = ops.reshape(dy, (-1, self.shape[1]))
         return chosen().table_elements_gradient(self, ids, dy, ops.convert_to_tensor(flat))
