@@ -229,8 +229,8 @@ MUTATIONS = [
     (
         "sampled product: each element's row paired with its own row, not its column",
         "_backends/functional.py",
-        "xa, yb = gather(xt, a), gather(dyt, b)",
-        "xa, yb = gather(xt, a), gather(dyt, a)",
+        "xa, yb = rows_of(x, xt, a), rows_of(dy, dyt, b)",
+        "xa, yb = rows_of(x, xt, a), rows_of(dy, dyt, a)",
         "tests/test_slices_sampled.py -k plain_keras",
     ),
     (
@@ -292,8 +292,8 @@ MUTATIONS = [
     (
         "TensorFlow: the sampled product gathers with keras.ops.take (more operations per scattered kernel)",
         "_backends/tensorflow/__init__.py",
-        "functional.transposed, map_in_turn, tf.gather)",
-        "functional.transposed, map_in_turn)",
+        "functional.transposed, map_in_turn, tf.gather, order, window, _cut",
+        "functional.transposed, map_in_turn, None, order, window, _cut",
         "tests/test_kernel_copies.py -k operations_of_a_block",
     ),
     (
@@ -358,6 +358,27 @@ MUTATIONS = [
         'geometry[0] not in ("dense", "einsum", "rows")',
         'geometry[0] not in ("dense", "einsum")',
         "KERAS_BACKEND=jax tests/test_slices_table_elements.py -k costs_the_batch",
+    ),
+    (
+        "the sampled product transposes the sorted side whole, never a chunk's window of it (the logits' gradient)",
+        "_backends/functional.py",
+        "return w if w is not None and 2 * w <= int(side.shape[1]) else None",
+        "return None",
+        "tests/test_slices_table_elements.py -k transposes_no_more",
+    ),
+    (
+        "a chunk's window: its pairs' columns read from the array's start, not from the window's",
+        "_backends/functional.py",
+        "return gather(transpose(cut(t, lo, w)), at - lo)",
+        "return gather(transpose(cut(t, lo, w)), at)",
+        "tests/test_backend_interface.py -k sampled_dots",
+    ),
+    (
+        "JAX: each turn of the windows' loop reads its pairs' rows as if from the next chunk's window",
+        "_backends/jax/__init__.py",
+        "_, sums = jax.lax.scan(turn, window_of(los[0]), (parts, los, following))",
+        "_, sums = jax.lax.scan(turn, window_of(los[0]), (parts, following, following))",
+        "KERAS_BACKEND=jax tests/test_backend_interface.py -k sampled_dots",
     ),
 ]
 

@@ -51,13 +51,15 @@ def test_transposed_gives_the_transpose_with_each_row_whole_in_memory():
         assert got.is_contiguous()
 
 
+@pytest.mark.parametrize("windowed", [False, True], ids=["whole", "windows"])
 @pytest.mark.parametrize("order", ["a", "b", None])
-def test_sampled_dots_give_each_pairs_dot_product_in_the_pairs_order(order):
+def test_sampled_dots_give_each_pairs_dot_product_in_the_pairs_order(order, windowed):
     """``sum_n x[n, a] * dy[n, b]`` per pair, for pairs sorted by ``a``, by ``b`` or neither, at the product's bound.
 
     The pairs come as flat indices and the function that gives their columns (any part of them: the
     gathers compute each chunk's in its turn). (PyTorch's is a sampled sparse product: its pattern's rows
-    are ``a``, ``b`` or the pairs sorted first.)
+    are ``a``, ``b`` or the pairs sorted first.) ``windows``: each chunk of pairs is said to span at
+    most so many columns of the sorted side, which the gathers then cut out alone.
     """
     import numpy as np
 
@@ -73,13 +75,24 @@ def test_sampled_dots_give_each_pairs_dot_product_in_the_pairs_order(order):
     def columns(part):
         return (part % 9, part // 9) if order == "b" else (part // 13, part % 13)
 
+    def window(per):
+        padded = np.concatenate([flat, np.repeat(flat[-1:], -flat.size % per)]).reshape(-1, per)
+        side = columns(padded)[0 if order == "a" else 1]
+        return int((side[:, -1] - side[:, 0]).max()) + 1
+
+    if windowed and order is not None:  # narrow enough for the gathers to take it: the pairs of a few columns
+        keep = np.flatnonzero((a < 4) if order == "a" else (b < 6))
+        keep = keep[: keep.size // 4 * 4]  # chunks of 4 pairs, each cutting a window of 2 columns or more
+        a, b, flat = a[keep], b[keep], flat[keep]
+        assert 2 <= window(4) <= (4 if order == "a" else 6) and flat.size >= 12
     got = chosen().sampled_dots(
         keras.ops.convert_to_tensor(x),
         keras.ops.convert_to_tensor(dy),
         keras.ops.convert_to_tensor(flat.astype("int32")),
         columns,
         order,
-        40 * 7,  # 7 pairs a chunk where the product gathers
+        40 * 4,  # 4 pairs a chunk where the product gathers: x and dy hold more than two chunks' values
+        window if windowed else None,
     )
     got = keras.ops.convert_to_numpy(got)
     reference = np.einsum("nk,nk->k", x[:, a].astype("float64"), dy[:, b].astype("float64"))

@@ -109,11 +109,27 @@ def test_the_gradient_is_plain_keras_at_the_trained_elements_and_zero_elsewhere(
             assert np.array_equal(g, r), v.path  # the gradient reaching the others is the layers' own
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["embedding", "tied"])
+# PyTorch's sampled sparse product reads the logits' gradient where it lies: no windows to cut
+@pytest.mark.parametrize("case", ["embedding", "tied"] + (["tied windows"] if BACKEND != "torch" else []))
 @pytest.mark.parametrize("mode", range(len(FIT_MODES)), ids=[str(m or "default") for m in FIT_MODES])
-def test_table_elements_train_as_the_dense_path_does(mode, tied):
+def test_table_elements_train_as_the_dense_path_does(mode, case, monkeypatch):
+    """``tied windows``: chunks of 64 elements, each reading a window of the logits' gradient's columns."""
+    from finefreeze._slices import sampled
+
+    tied, seen = case != "embedding", []
+    if case == "tied windows":
+        monkeypatch.setattr(sampled, "SAMPLED_CHUNK", 16 * 64)  # batches of 16: chunks of 64 elements
+        window = sampled.Sampled.window
+
+        def spied(self, per):
+            seen.append((per, window(self, per)))
+            return seen[-1][1]
+
+        monkeypatch.setattr(sampled.Sampled, "window", spied)
     m, frz = fit(tied, **FIT_MODES[mode])
     assert MARK in m.get_layer("tok").__dict__ and gradient_kind(frz) == "sampled"
+    if case == "tied windows":  # each chunk read a window under half the vocabulary
+        assert any(per == 64 and w is not None and 2 * w <= VOCAB for per, w in seen), seen
     ref, _ = fit(tied, gradients_="dense", **FIT_MODES[mode])
     for v, r in zip(weights_of(m), weights_of(ref)):
         close(numpy(v), numpy(r), v.path)
@@ -168,3 +184,97 @@ def test_a_delta_file_of_table_elements_rebuilds_the_tuned_model_bit_for_bit(tmp
     ff.load_delta(base, tmp_path / "d.safetensors")
     for v, r in zip(weights_of(base), weights_of(m)):
         assert np.array_equal(numpy(v), numpy(r)), v.path
+
+
+def _shaped(step_args, fn, shape) -> int:
+    """How many values of ``shape`` the traced (TensorFlow, JAX) or eager (PyTorch) step makes."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        def count(g) -> int:
+            n = sum(
+                1
+                for op in g.get_operations()
+                for t in op.outputs
+                if t.shape.rank == 2 and t.shape.as_list()[0] == shape[0] and t.shape.as_list()[1] in (shape[1], None)
+            )
+            return n + sum(count(f.graph) for f in g._functions.values() if hasattr(f, "graph"))
+
+        return count(tf.function(fn).get_concrete_function(*step_args).graph)
+    if BACKEND == "jax":
+        import jax
+
+        def count(jaxpr) -> int:
+            n = 0
+            for eqn in jaxpr.eqns:
+                n += sum(1 for v in eqn.outvars if tuple(getattr(v.aval, "shape", ())) == shape)
+                for p in eqn.params.values():
+                    for sub in p if isinstance(p, (list, tuple)) else [p]:
+                        inner = getattr(sub, "jaxpr", sub)
+                        if hasattr(inner, "eqns"):
+                            n += count(inner)
+            return n
+
+        return count(jax.make_jaxpr(fn)(*step_args).jaxpr)
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Results(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.layout == torch.strided}  # fmt: skip
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided and tuple(t.shape) == shape:
+                    seen.append(t.untyped_storage().data_ptr() not in inputs)
+            return out
+
+    with Results():
+        fn(*step_args)
+    return sum(seen)
+
+
+def test_the_tied_projection_transposes_no_more_of_the_logits_gradient_than_the_floor(monkeypatch):
+    """A chunk of elements transposes the logits' gradient over the rows it spans, not the whole vocabulary.
+
+    The sampled product gathers each element's column of ``dy`` (tokens x
+    vocabulary, the logits' gradient) as a row of its transpose; the
+    elements are sorted by their row of the table, so a chunk of them spans
+    a few of its rows. A transposed copy of the whole ``dy`` (an LLM's
+    logits: 65 MB at 512 tokens of 32,000) is counted here in the traced
+    step: the step of scattered elements makes as many as the step with the
+    table frozen whole (the floor) makes.
+    """
+    from finefreeze._slices import sampled
+
+    vocab, dim, batch, tokens = 2000, 32, 4, 16
+    monkeypatch.setattr(sampled, "SAMPLED_CHUNK", batch * tokens * 64)  # 64 elements a chunk: 10 chunks
+    x = np.random.default_rng(2).integers(0, vocab, (batch, tokens)).astype("int32")
+
+    def made(trained: bool) -> int:
+        keras.utils.set_random_seed(0)
+        i = keras.Input((tokens,), dtype="int32")
+        emb = keras.layers.ReversibleEmbedding(vocab, dim, tie_weights=True, name="tok")
+        m = keras.Model(i, emb(keras.layers.LayerNormalization(name="norm")(emb(i)), reverse=True))
+        rules = [ff.freeze("**"), ff.train("**/norm/**")]
+        if trained:
+            rules.append(ff.train("**/tok/embeddings", mask=np.random.default_rng(1).random((vocab, dim)) < 0.01))
+        frz = ff.Freezer(m, ff.Plan(rules), gradients="sliced")
+        assert not trained or gradient_kind(frz) == "sampled"
+        variables = frz.trainable_variables
+        inputs = keras.ops.convert_to_tensor(x)
+        if BACKEND == "jax":
+            import jax
+
+            def loss_of(values):
+                with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+                    return keras.ops.mean(keras.ops.square(m(inputs)))
+
+            return _shaped([[v.value for v in variables]], jax.grad(loss_of), (vocab, batch * tokens))
+        return _shaped([], lambda: gradients(lambda: keras.ops.mean(keras.ops.square(m(inputs))), variables),
+                       (vocab, batch * tokens))  # fmt: skip
+
+    floor, elements = made(False), made(True)
+    assert elements <= floor, f"{elements - floor} more transposed copies of the logits' gradient than the floor"

@@ -192,7 +192,7 @@ def transposed(t):
     return keras.ops.transpose(t)
 
 
-def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int):
+def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=None):
     """``sum_n x[n, a] * dy[n, b]`` for each pair ``(a, b) = columns(flat)`` (a sampled product), in float32 at least.
 
     Here: :func:`gathered_dots` with this module's :func:`transposed` and :func:`map_in_turn`.
@@ -205,11 +205,14 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int):
             (written in ``keras.ops``: a backend may hand it an unsigned copy of ``flat``).
         order: ``"a"``: the pairs are sorted by ``a``, then ``b``; ``"b"``: by ``b``, then ``a``; None: neither.
         chunk: the most values of ``x`` (and of ``dy``) gathered at once.
+        window: ``per -> int | None``: how many columns of the sorted side (``order``) the pairs of a
+            chunk of ``per`` pairs span at most, or None (not known, or not fewer than the side's own):
+            each chunk then transposes those columns alone (see :func:`gathered_dots`).
 
     Returns:
         The pairs' sums, float32 (float64 for float64 inputs).
     """
-    return gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn)
+    return gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn, order=order, window=window)
 
 
 def chunk_plan(count: int, tokens, chunk: int) -> tuple[int, int]:
@@ -230,7 +233,9 @@ def chunk_plan(count: int, tokens, chunk: int) -> tuple[int, int]:
     return per, -(-count // per)
 
 
-def gathered_dots(x, dy, flat, columns, chunk: int, transpose, map_chunks, gather=None):
+def gathered_dots(
+    x, dy, flat, columns, chunk: int, transpose, map_chunks, gather=None, order=None, window=None, cut=None
+):
     """:func:`sampled_dots` by gathers: the columns as rows of the transposed arrays, ``chunk`` values at a time.
 
     The chunks run one after another (``map_chunks``, a backend's
@@ -243,27 +248,67 @@ def gathered_dots(x, dy, flat, columns, chunk: int, transpose, map_chunks, gathe
     gather of whole rows, at indices never negative (default
     ``keras.ops.take``, which also handles negative ones: in a TensorFlow
     graph, operations per kernel that the step keeps).
+
+    Where ``window`` gives a chunk's span ``w`` of the sorted side, each
+    chunk transposes only the ``w`` columns from its first pair's on
+    (``cut(t, lo, w)``, default :func:`cut_columns`), never that side
+    whole: a tied table's logits' gradient, whose pairs are sorted by the
+    vocabulary's row. The sums are the same bits.
     """
     gather = gather or functools.partial(ops.take, axis=0)
+    cut = cut or cut_columns
     count = int(flat.shape[0])
     dtype = keras.backend.standardize_dtype(x.dtype)
     wide = "float32" if dtype in ("float16", "bfloat16") else dtype  # half precision summed as matmul sums it
-    xt, dyt = transpose(x), transpose(dy)  # each element's column a contiguous row
     per, chunks = chunk_plan(count, x.shape[0], chunk)
+    w = window_width(window, order, per, x, dy, chunk)
+    xt = None if w is not None and order == "a" else transpose(x)  # each element's column a contiguous row
+    dyt = None if w is not None and order == "b" else transpose(dy)
+
+    def rows_of(t, whole, at):
+        if whole is not None:
+            return gather(whole, at)
+        lo = ops.minimum(at[0], ops.cast(int(t.shape[1]) - w, at.dtype))  # the window ends inside ``t``
+        return gather(transpose(cut(t, lo, w)), at - lo)
 
     def dots(part):
         a, b = columns(part)
-        xa, yb = gather(xt, a), gather(dyt, b)
+        xa, yb = rows_of(x, xt, a), rows_of(dy, dyt, b)
         if dtype != wide:
             xa, yb = ops.cast(xa, wide), ops.cast(yb, wide)
         return ops.sum(xa * yb, axis=1)
 
     if chunks == 1:
         return dots(flat)
-    if chunks * per > count:  # (ops.pad would make a named Keras operation at every step)
-        flat = ops.concatenate([flat, ops.zeros((chunks * per - count,), flat.dtype)])
+    if chunks * per > count:  # the last pair repeated: the pairs stay sorted (a window's first is the least)
+        flat = ops.concatenate([flat, ops.repeat(flat[-1:], chunks * per - count)])
     sums = ops.reshape(map_chunks(dots, ops.reshape(flat, (chunks, per)), wide), (-1,))
     return sums if chunks * per == count else sums[:count]
+
+
+def window_width(window, order: str | None, per: int, x, dy, chunk: int) -> int | None:
+    """The columns a chunk of ``per`` pairs cuts of its sorted side, or None: that side transposed whole, once.
+
+    ``window(per)`` (see :func:`sampled_dots`), where the side's transpose
+    would hold more than two chunks' values (a tied table's logits'
+    gradient; a layer's input at the usual batches holds about one: its
+    transpose, made in the layer's turn of the backward pass, costs less
+    than the windows' code) and the window is under half of the side's
+    columns (a wider one saves too little).
+    """
+    if window is None or order not in ("a", "b"):
+        return None
+    side = x if order == "a" else dy
+    tokens = int(side.shape[0]) if side.shape[0] is not None else 512
+    if tokens * int(side.shape[1]) <= 2 * chunk:
+        return None
+    w = window(per)
+    return w if w is not None and 2 * w <= int(side.shape[1]) else None
+
+
+def cut_columns(t, lo, w: int):
+    """The columns ``lo`` to ``lo + w`` of a 2-D ``t`` (``lo`` a scalar tensor, ``w`` a constant)."""
+    return ops.slice(t, (ops.zeros_like(lo), lo), (int(t.shape[0]), w))
 
 
 def map_in_turn(fn, xs, dtype: str):

@@ -179,14 +179,14 @@ def _specs(layer, ks: KernelSlice) -> tuple[str, str, str]:
 
 def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, frozen, *, owner, model_of=None) -> None:
     trained = np.flatnonzero(~np.asarray(frozen, dtype=bool))
+    reads = padded_index(trained) if ks.kind in SAMPLED_KINDS else None  # what the product of elements reads
     if ks.kind == "sampled":
-        taken = Sampled(*_specs(layer, ks), ks.shape, len(trained))
+        taken = Sampled(*_specs(layer, ks), ks.shape, len(trained), reads=reads)
     elif ks.kind == "table elements":
         taken = TableElements(ks.shape, trained)
     else:
         taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis, frozen)
     # a stand-in while the layer slices; a kernel held dense (its slice moves often) changes elements without one
-    reads = padded_index(trained) if ks.kind in SAMPLED_KINDS else None  # what the product of elements reads
     holder = attach(layer, variable, trained, index=reads) if on else None
     mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen))
     plain = type(layer).call.__get__(layer)
@@ -274,7 +274,8 @@ def _lookup_call(layer, ks: KernelSlice, plain, taken, mark, frozen, now, standi
     reversible = type(layer).call is not keras.layers.Embedding.call  # ReversibleEmbedding: its mask in call
     tf_rows = lookups_are_sparse(layer)
     if ks.kind == "table elements":  # scattered elements: the reverse projection's sampled product
-        transposed = Sampled("...i", "ij", "...j", ks.shape[::-1], len(ks.index[0]), transposed=True)
+        reads = padded_index(ks.index[0])
+        transposed = Sampled("...i", "ij", "...j", ks.shape[::-1], len(ks.index[0]), transposed=True, reads=reads)
     else:
         transposed = Taken(ks.shape[::-1], (None, ks.index[0]), (-1, None), (None, -1), frozen, transposed=True)
 

@@ -81,13 +81,27 @@ class Sampled:
         count: the number of trained elements.
         transposed: the product reads the transpose of the variable the
             indices are of (a tied table's reverse projection).
+        reads: the index the product reads (:func:`padded_index` of the
+            elements), known ahead: each chunk of elements then transposes
+            only the columns of the sorted side it spans (:meth:`window`).
     """
 
-    def __init__(self, x_spec: str, k_spec: str, y_spec: str, shape, count: int, transposed: bool = False):
+    def __init__(
+        self,
+        x_spec: str,
+        k_spec: str,
+        y_spec: str,
+        shape,
+        count: int,
+        transposed: bool = False,
+        reads: np.ndarray | None = None,
+    ):
         self.x_spec, self.k_spec, self.y_spec = x_spec, k_spec, y_spec
         self.shape = tuple(int(d) for d in shape)
         self.count = int(count)
         self.transposed = transposed
+        self._reads = reads
+        self._windows: dict[int, int | None] = {}
         self.dims = dict(zip(k_spec, self.shape))
         self.xk = [c for c in k_spec if c in x_spec]
         self.yk = [c for c in k_spec if c in y_spec]
@@ -102,6 +116,29 @@ class Sampled:
     def gradient_of(self, op: Callable) -> Callable:
         """``(x, dy, flat indices) -> the stand-in's gradient`` (``op`` is the layer's product)."""
         return self._gradient
+
+    def window(self, per: int) -> int | None:
+        """The most columns of the sorted side (:attr:`order`) that a chunk of ``per`` elements spans.
+
+        The chunks are the index's ``per`` elements at a time, the last one
+        filled with repeats of the last element (as the product fills it);
+        None when the elements are sorted by neither side or the index is
+        not known ahead. The index of a stand-in never changes: other
+        elements make another stand-in and another product.
+
+        Example:
+            >>> s = Sampled("...i", "ij", "...j", (100, 10), 4, reads=np.array([3, 7, 250, 251]))
+            >>> s.order, s.window(2), s.window(4)
+            ('a', 1, 26)
+        """
+        if self.order is None or self._reads is None or not len(self._reads):
+            return None
+        if per not in self._windows:
+            flat = self._reads
+            flat = np.concatenate([flat, np.repeat(flat[-1:], -len(flat) % per)]).reshape(-1, per)
+            side = self.columns(flat)[0 if self.order == "a" else 1]
+            self._windows[per] = int((side[:, -1] - side[:, 0]).max()) + 1
+        return self._windows[per]
 
     def columns(self, flat):
         """``(a, b)``: each element's column of ``x`` and of ``dy``, from its flat index in the variable."""
@@ -150,7 +187,8 @@ class Sampled:
         x = self._as_columns(x, self.x_spec, self.xk, self.width_x)
         dy = self._as_columns(dy, self.y_spec, self.yk, self.width_y)
         flat = ops.convert_to_tensor(flat)
-        sums = chosen().sampled_dots(x, dy, flat, self.columns, self.order, SAMPLED_CHUNK)  # float32; the tap casts
+        # float32; the tap casts
+        sums = chosen().sampled_dots(x, dy, flat, self.columns, self.order, SAMPLED_CHUNK, self.window)
         return sums if int(sums.shape[0]) == self.count else sums[: self.count]
 
 

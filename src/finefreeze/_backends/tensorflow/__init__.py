@@ -234,7 +234,7 @@ def write_all(writes, after=()) -> None:
         merged(tf.distribute.get_strategy(), *args)
 
 
-def sampled_dots(x, dy, flat, columns, order, chunk: int):
+def sampled_dots(x, dy, flat, columns, order, chunk: int, window=None):
     """``functional.sampled_dots`` with TensorFlow's ``map_in_turn`` (one chunk at a time) and ``tf.gather``.
 
     ``tf.gather`` instead of ``keras.ops.take``, whose handling of negative
@@ -243,7 +243,15 @@ def sampled_dots(x, dy, flat, columns, order, chunk: int):
     step lives (about 10 kB each, in the traced function and the runtime's
     copies), and every scattered kernel has its own product.
     """
-    return functional.gathered_dots(x, dy, flat, columns, chunk, functional.transposed, map_in_turn, tf.gather)
+    return functional.gathered_dots(
+        x, dy, flat, columns, chunk, functional.transposed, map_in_turn, tf.gather, order, window, _cut
+    )
+
+
+def _cut(t, lo, w: int):
+    """The columns ``lo`` to ``lo + w`` of ``t``, whose rows may be unknown until it runs (a graph for any batch)."""
+    lo = tf.cast(lo, tf.int32)
+    return tf.slice(t, tf.stack([0, lo]), tf.stack([tf.shape(t)[0], w]))
 
 
 def map_in_turn(fn, xs, dtype: str):

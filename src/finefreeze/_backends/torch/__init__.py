@@ -175,7 +175,7 @@ def transposed(t):
     return keras.ops.convert_to_tensor(t).T.contiguous()
 
 
-def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int):
+def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=None):
     """Each pair's ``sum_n x[n, a] * dy[n, b]``: PyTorch's sampled dense-dense product (``sampled_addmm``).
 
     The pairs are the pattern of a sparse CSR matrix (rows ``a``, or ``b``
@@ -190,6 +190,7 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int):
     import torch
 
     if torch.compiler.is_compiling():
+        # (no windows: a slice at a tensor's offset is a value torch.compile would have to read in the step)
         return functional.gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn)
     x, dy = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(dy)
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
