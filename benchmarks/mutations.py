@@ -228,9 +228,9 @@ MUTATIONS = [
     ),
     (
         "sampled product: each element's row paired with its own row, not its column",
-        "_backends/functional.py",
-        "xa, yb = rows_of(x, xt, a), rows_of(dy, dyt, b)",
-        "xa, yb = rows_of(x, xt, a), rows_of(dy, dyt, a)",
+        "_backends/gathered.py",
+        "return pair_sums(rows_of(x, xt, a), rows_of(dy, dyt, b))",
+        "return pair_sums(rows_of(x, xt, a), rows_of(dy, dyt, a))",
         "tests/test_slices_sampled.py -k plain_keras",
     ),
     (
@@ -361,14 +361,14 @@ MUTATIONS = [
     ),
     (
         "the sampled product transposes the sorted side whole, never a chunk's window of it (the logits' gradient)",
-        "_backends/functional.py",
+        "_backends/gathered.py",
         "return w if w is not None and 2 * w <= int(side.shape[1]) else None",
         "return None",
         "tests/test_slices_table_elements.py -k transposes_no_more",
     ),
     (
         "a chunk's window: its pairs' columns read from the array's start, not from the window's",
-        "_backends/functional.py",
+        "_backends/gathered.py",
         "return gather(transpose(cut(t, lo, w)), at - lo)",
         "return gather(transpose(cut(t, lo, w)), at)",
         "tests/test_backend_interface.py -k sampled_dots",

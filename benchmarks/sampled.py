@@ -15,7 +15,7 @@ crossover is the largest fraction at which the sampled product is faster.
 
 ``--product``: the library's sampled product as the step runs it (the
 backend's ``sampled_dots``, in chunks) against the same product written in
-``keras.ops`` (``functional.gathered_dots``), at 1 % of the 152 M LLM's
+``keras.ops`` (``gathered.gathered_dots``), at 1 % of the 152 M LLM's
 kernel shapes (512 tokens), side by side in interleaved rounds, and whether
 their sums are the same bits (TensorFlow's and JAX's are: the same gathers
 and sums; PyTorch's ``sampled_addmm`` sums in its own order).
@@ -70,11 +70,11 @@ def functions(backend: str, n_in: int, n_out: int):
 
 
 def product(a) -> None:
-    """The backend's ``sampled_dots`` against ``functional.gathered_dots``, at 1 % of the LLM's kernel shapes."""
+    """The backend's ``sampled_dots`` against ``gathered.gathered_dots``, at 1 % of the LLM's kernel shapes."""
     import keras
     import numpy as np
 
-    from finefreeze._backends import functional
+    from finefreeze._backends import functional, gathered
     from finefreeze._backends.chosen import chosen
     from finefreeze._slices.sampled import SAMPLED_CHUNK
 
@@ -99,7 +99,7 @@ def product(a) -> None:
 
         ours = compile_(lambda x, dy, k: chosen().sampled_dots(x, dy, k, columns, "a", SAMPLED_CHUNK))
         shared = compile_(
-            lambda x, dy, k: functional.gathered_dots(
+            lambda x, dy, k: gathered.gathered_dots(
                 x, dy, k, columns, SAMPLED_CHUNK, functional.transposed, functional.map_in_turn
             )
         )

@@ -107,6 +107,21 @@ def weights_of(obj) -> list:
     return [v for v in obj.weights if not held(v)]
 
 
+def squares_gradients(frz, model, plain, x) -> tuple[dict, dict, list]:
+    """The gradients of ``sum(model(x) ** 2)`` as :func:`as_kernel_gradients` has them, plain Keras' by path, and the raw ones.
+
+    ``plain`` is the same model without a Freezer; the raw gradients are
+    ``model.trainable_weights``' (stand-ins included), in that order.
+    """
+    import keras
+
+    variables = list(model.trainable_weights)
+    grads = gradients(lambda: keras.ops.sum(model(x) ** 2), variables)
+    ref = gradients(lambda: keras.ops.sum(plain(x) ** 2), list(plain.trainable_weights))
+    plain_by_path = {v.path: np.array(keras.ops.convert_to_numpy(g)) for v, g in zip(plain.trainable_weights, ref)}
+    return as_kernel_gradients(frz, variables, grads), plain_by_path, list(zip(variables, grads))
+
+
 def as_kernel_gradients(frz, variables, grads) -> dict:
     """``{path: gradient}`` of the model's own variables, as a training step has them.
 

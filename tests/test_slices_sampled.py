@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
+from backend_utils import BACKEND, FIT_MODES, gradients, squares_gradients, weights_of
 from finefreeze._resolve.standins import kernel_of
 from finefreeze._slices.choose import AUTO_SAMPLES, MARK, choose, kernel_sample, kernel_slice, pays, sampled_equation
 from test_slices import _product_sizes, trained
@@ -87,14 +87,11 @@ def test_the_gradient_is_plain_keras_at_the_trained_elements_and_zero_elsewhere(
     assert gradient_kind(frz, "d/kernel") == "sampled"
     x = keras.ops.convert_to_tensor(X[:8])
     assert np.array_equal(numpy(m(x)), numpy(plain(x)))  # the forward: the layer's own, bit for bit
-    variables = list(m.trainable_weights)  # the kernel, the bias, the head and the kernel's stand-in
-    grads = gradients(lambda: keras.ops.sum(m(x) ** 2), variables)
-    (standin,) = [g for v, g in zip(variables, grads) if kernel_of(v) is not None]
+    got, ref, raw = squares_gradients(frz, m, plain, x)  # the kernel, the bias, the head and the kernel's stand-in
+    (standin,) = [g for v, g in raw if kernel_of(v) is not None]
     assert tuple(standin.shape) == (N,)  # one value per trained element: nothing else computed
-    got = as_kernel_gradients(frz, variables, grads)
-    ref = [numpy(g) for g in gradients(lambda: keras.ops.sum(plain(x) ** 2), list(plain.trainable_weights))]
-    for v, r in zip(plain.trainable_weights, ref):
-        g = got[v.path]
+    for v in plain.trainable_weights:
+        g, r = got[v.path], ref[v.path]
         if v.path == "d/kernel":
             assert not np.any(g[~SCATTERED])  # never computed: exactly 0
             close(g[SCATTERED], r[SCATTERED], v.path)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
+from backend_utils import BACKEND, FIT_MODES, gradients, squares_gradients, weights_of
 from finefreeze._slices.choose import MARK, choose, kernel_sample, kernel_slice
 from test_slices_rows import table_sized
 
@@ -95,12 +95,9 @@ def test_the_gradient_is_plain_keras_at_the_trained_elements_and_zero_elsewhere(
     assert gradient_kind(frz) == "sampled"
     x = keras.ops.convert_to_tensor(IDS[:16])
     assert np.array_equal(numpy(m(x)), numpy(plain(x)))  # the forward: the layer's own, bit for bit
-    variables = list(m.trainable_weights)
-    grads = gradients(lambda: keras.ops.sum(m(x) ** 2), variables)
-    got = as_kernel_gradients(frz, variables, grads)
-    ref = [numpy(g) for g in gradients(lambda: keras.ops.sum(plain(x) ** 2), list(plain.trainable_weights))]
-    for v, r in zip(plain.trainable_weights, ref):
-        g = got[v.path]
+    got, ref, _ = squares_gradients(frz, m, plain, x)
+    for v in plain.trainable_weights:
+        g, r = got[v.path], ref[v.path]
         if v.path == "tok/embeddings":
             assert not np.any(g[~SCATTERED])  # never computed: exactly 0
             assert g[SCATTERED].any()

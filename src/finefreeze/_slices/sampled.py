@@ -37,7 +37,7 @@ def padded_index(trained: np.ndarray) -> np.ndarray:
     """The flat indices ``trained``, the last one repeated to a length that chunks of a power of two divide.
 
     The product's chunks are then of equal length without padding in the
-    step (``functional.gathered_dots``): padded in the step, XLA on a CPU
+    step (``gathered.gathered_dots``): padded in the step, XLA on a CPU
     kept about 3 MB of compiled code more per kernel (20 kernels of 1 %:
     90 MB against 27). The repeats' sums are computed and dropped: at most
     ``INDEX_BLOCK - 1`` more dot products per kernel (at most twice as

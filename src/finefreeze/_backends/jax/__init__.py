@@ -5,10 +5,9 @@ from __future__ import annotations
 import functools
 import os
 
-import keras
 import numpy as np
 
-from finefreeze._backends import functional
+from finefreeze._backends import functional, gathered
 from finefreeze._backends.functional import *  # noqa: F403  (the defaults this module does not override)
 
 __all__ = ["IN_PLACE_FLAG", *functional.__all__]  # the whole interface: ``functional``'s, some of it overridden here
@@ -130,7 +129,7 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
     gathers promise their indices in bounds (they are): no clamping or
     filling code. The sums are the same bits.
 
-    ``window`` (see ``functional.gathered_dots``): each chunk reads the
+    ``window`` (see ``gathered.gathered_dots``): each chunk reads the
     columns its pairs span of the sorted side, transposed by itself, and
     no transpose of that side's whole array is made (a tied table's reverse
     projection: the logits' gradient, 65 MB at 512 tokens of 32,000). Cut
@@ -143,8 +142,8 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
     import jax
     import jax.numpy as jnp
 
-    per, chunks = functional.chunk_plan(int(flat.shape[0]), x.shape[0], chunk)
-    w = functional.window_width(window, order, per, x, dy, chunk) if chunks > 1 else None
+    per, chunks = gathered.chunk_plan(int(flat.shape[0]), x.shape[0], chunk)
+    w = gathered.window_width(window, order, per, x, dy, chunk) if chunks > 1 else None
     x = jnp.concatenate([x, dy[:, :1].astype(x.dtype)], axis=1)
     unsigned = jnp.uint64 if flat.dtype == jnp.int64 else jnp.uint32
 
@@ -155,19 +154,15 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
         return t.at[rows].get(mode="promise_in_bounds")
 
     if w is None:
-        return functional.gathered_dots(
+        return gathered.gathered_dots(
             x, dy, flat, unsigned_columns, chunk, functional.transposed, functional.map_in_turn, gather
         )
     count, side = int(flat.shape[0]), 0 if order == "a" else 1
     cut, whole = (x, dy) if side == 0 else (dy, x)
     width = int(cut.shape[1]) - (1 if side == 0 else 0)  # x's appended column is never a pair's
     whole_t = functional.transposed(whole)
-    if chunks * per > count:  # the last pair repeated: the pairs stay sorted
-        flat = jnp.concatenate([flat, jnp.repeat(flat[-1:], chunks * per - count)])
-    parts = flat.reshape(chunks, per).astype(unsigned)
+    parts = gathered.in_chunks(flat, chunks, per).astype(unsigned)
     los = jnp.minimum(columns(parts[:, 0])[side], width - w).astype(unsigned)  # each window ends inside
-    dtype = keras.backend.standardize_dtype(x.dtype)
-    wide = "float32" if dtype in ("float16", "bfloat16") else dtype
 
     def window_of(lo):
         return jax.lax.dynamic_slice(cut, (jnp.zeros_like(lo), lo), (cut.shape[0], w)).T
@@ -175,12 +170,8 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
     def turn(t, chunk_and_los):
         part, lo, lo_next = chunk_and_los
         pair = columns(part)
-        rows = gather(t, pair[side] - lo)
-        others = gather(whole_t, pair[1 - side])
-        xa, yb = (rows, others) if side == 0 else (others, rows)
-        if dtype != wide:
-            xa, yb = xa.astype(wide), yb.astype(wide)
-        return window_of(lo_next), jnp.sum(xa * yb, axis=1)
+        rows, others = gather(t, pair[side] - lo), gather(whole_t, pair[1 - side])
+        return window_of(lo_next), gathered.pair_sums(*((rows, others) if side == 0 else (others, rows)))
 
     following = jnp.concatenate([los[1:], los[-1:]])
     _, sums = jax.lax.scan(turn, window_of(los[0]), (parts, los, following))

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from finefreeze._backends import functional
+from finefreeze._backends import functional, gathered
 from finefreeze._backends.arrays import native, unravel
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.functional import *  # noqa: F403  (the defaults this module does not override)
@@ -243,7 +243,7 @@ def sampled_dots(x, dy, flat, columns, order, chunk: int, window=None):
     step lives (about 10 kB each, in the traced function and the runtime's
     copies), and every scattered kernel has its own product.
     """
-    return functional.gathered_dots(
+    return gathered.gathered_dots(
         x, dy, flat, columns, chunk, functional.transposed, map_in_turn, tf.gather, order, window, _cut
     )
 

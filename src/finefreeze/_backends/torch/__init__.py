@@ -16,7 +16,7 @@ import warnings
 import keras
 import numpy as np
 
-from finefreeze._backends import functional
+from finefreeze._backends import functional, gathered
 from finefreeze._backends.functional import *  # noqa: F403  (the defaults this module does not override)
 from finefreeze._keras.instances import in_stateless_scope
 
@@ -191,7 +191,7 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
 
     if torch.compiler.is_compiling():
         # (no windows: a slice at a tensor's offset is a value torch.compile would have to read in the step)
-        return functional.gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn)
+        return gathered.gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn)
     x, dy = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(dy)
     wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     a, b = columns(keras.ops.convert_to_tensor(flat))
