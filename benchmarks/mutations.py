@@ -89,7 +89,7 @@ MUTATIONS = [
     (
         "update: no rollback after a failure",
         "_freezer/freezer.py",
-        "                opts[0].undo_change(u)",
+        "                opts[0]._undo_change(u)",
         "                pass",
         "tests/test_seams.py -k fails_midway",
     ),
@@ -110,7 +110,7 @@ MUTATIONS = [
     (
         "report: strategy computed apart from the optimizer's layout",
         "_freezer/freezer.py",
-        "            return opts[-1].layout",
+        "            return opts[-1]._layout",
         "            pass",
         "tests/test_seams.py -k wrapped_strategy",
     ),

@@ -159,7 +159,7 @@ def test_lora_adapters_and_selected_base_elements_train_together_on_a_backbone()
     model.fit(TEXTS, LABELS, batch_size=3, epochs=2, verbose=0)
     frz.verify()
     after = values(model)
-    base = [s for s in frz.resolution.states if "lora_" not in s.path and not s.path.startswith("logits/")]
+    base = [s for s in frz._res.states if "lora_" not in s.path and not s.path.startswith("logits/")]
     chosen = 0
     for s in base:  # the chosen base elements moved, the rest of the backbone is bit-identical
         frozen = s.mask.dense() if s.mask is not None else np.full(s.info.shape, s.state != "trainable")

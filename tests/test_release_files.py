@@ -58,7 +58,7 @@ def test_a_saved_model_resumes_training_with_its_frozen_elements_bit_identical()
     frz = ff.Freezer.of(model)
     assert frz is not None
     frz.verify()
-    assert frz.strategy_for("head/kernel") == "compact" and frz.strategy_for("mid/kernel") == "restore"
+    assert frz._strategy_for("head/kernel") == "compact" and frz._strategy_for("mid/kernel") == "restore"
     saved = {v.path: np.array(v.numpy(), copy=True) for v in weights_of(model)}
     data = np.load(HERE / "data.npz")
     model.fit(data["x"], data["y"], batch_size=32, epochs=2, shuffle=False, verbose=0)
@@ -123,7 +123,7 @@ def test_a_model_saved_now_writes_layout_version_3_and_loads(tmp_path):
     assert all(e["kind"] == e["strategy"] for e in layout["variables"])
     again = keras.models.load_model(tmp_path / "now.keras")
     ff.Freezer.of(again).verify()
-    assert {e.path: e.kind for e in ff.Freezer.of(again).layout} == json.loads((HERE / "MANIFEST.json").read_text())[
+    assert {e.path: e.kind for e in ff.Freezer.of(again)._layout} == json.loads((HERE / "MANIFEST.json").read_text())[
         "layout"
     ]
 

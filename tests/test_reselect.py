@@ -68,7 +68,7 @@ def test_reselection_swaps_elements_and_frozen_elements_never_move(strategy):
         never = np.logical_and.reduce([mk[v.path] for mk in masks])
         assert np.array_equal(s[never], v.numpy()[never]), v.path
     # compact too: each variable keeps its count; the first swap into a variable makes its step counts
-    partial = {e.path for e in frz.optimizers()[0].enforcers if e.kind != "train"}
+    partial = {e.path for e in frz._optimizers()[0]._enforcers if e.kind != "train"}
     assert sum(h["retraced"] for h in frz.history) <= len(partial)
     assert not any(h["retraced"] for h in frz.history[-3:])
 

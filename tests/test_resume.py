@@ -179,14 +179,14 @@ def test_a_save_in_the_middle_of_an_epoch_loads_as_it_was_saved(tmp_path):
 
         def on_train_batch_end(self, batch, logs=None):
             frz = ff.Freezer.of(self.model)
-            frz.sync()
-            if frz.step == 9:
+            frz._sync()
+            if frz._step == 9:
                 seen["saved"] = state(self.model, frz)
 
         def on_train_begin(self, logs=None):
             if self.when == "load":
                 frz = ff.Freezer.of(self.model)
-                frz.sync()
+                frz._sync()
                 seen["loaded"] = state(self.model, frz)
 
     model, _ = build()

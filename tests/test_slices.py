@@ -99,7 +99,7 @@ def test_sliced_kernels_train_as_the_dense_path_does(kind, mode):
     m, frz, before = fit(plan(kind), **FIT_MODES[mode])
     sliced = [layer.name for layer in m.layers if MARK in layer.__dict__]
     assert sliced == ["d", "q", "c1", "c2", "head"]
-    assert {frz.strategy_for(f"{n}/kernel") for n in sliced} == {"compact"}  # state for the slice only
+    assert {frz._strategy_for(f"{n}/kernel") for n in sliced} == {"compact"}  # state for the slice only
     ref, _, _ = fit(plan(kind), gradients="dense", **FIT_MODES[mode])
     assert not any(MARK in layer.__dict__ for layer in ref.layers)
     for v, r in zip(weights_of(m), weights_of(ref)):
@@ -246,7 +246,7 @@ def test_a_model_saved_while_slices_train_loads_as_plain_keras(tmp_path):
     for a, b in zip(weights_of(loaded), weights_of(m)):
         assert np.array_equal(numpy(a), numpy(b)), a.path
     again = ff.Freezer.of(loaded)  # rebuilt from the file: the gradients it was saved with
-    assert again.gradients == "sliced"
+    assert again._gradients == "sliced"
     assert sorted(layer.name for layer in loaded.layers if MARK in layer.__dict__) == sorted(
         layer.name for layer in m.layers if MARK in layer.__dict__
     )
@@ -277,7 +277,7 @@ def test_a_file_of_an_earlier_release_resumes_on_the_dense_gradients(tmp_path):
             z.writestr(n, data)
     loaded = keras.models.load_model(tmp_path / "old.keras")
     again = ff.Freezer.of(loaded)
-    assert again.gradients == "dense"
+    assert again._gradients == "dense"
     assert not any(MARK in layer.__dict__ for layer in loaded.layers)
     loaded.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     again.verify()
@@ -493,7 +493,7 @@ def test_the_optimizer_keeps_its_freezer_and_the_stand_ins_go_with_both():
     after = keras.ops.convert_to_numpy(m.get_layer("d").kernel)
     assert np.array_equal(after[:, 8:], before[:, 8:]) and (after[:, :8] != before[:, :8]).any()
     frz = ff.Freezer.of(m)
-    assert frz is not None and frz.gradients == "sliced"
+    assert frz is not None and frz._gradients == "sliced"
     kinds = {v["path"]: v.get("gradient") for v in frz.report()["variables"]}
     assert kinds[m.get_layer("d").kernel.path] == "sliced", kinds
     assert len(m.weights) == 5  # the stand-in of d/kernel's 8 columns

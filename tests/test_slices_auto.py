@@ -67,7 +67,7 @@ def train(gradients, plan=PLAN, epochs=2):
 def test_auto_is_the_default_and_slices_what_pays():
     m = model()
     frz = ff.Freezer(m, PLAN)
-    assert frz.gradients == "auto"
+    assert frz._gradients == "auto"
     expected = []
     for layer in m.layers:
         if getattr(layer, "kernel", None) is None or frz.variable_state(layer.kernel.path) != "partial":
@@ -136,9 +136,9 @@ def test_a_plan_that_changes_often_keeps_its_moved_slices_dense_and_stops_retrac
 
     frz.update(at(8))  # a change that is not said to recur: the new slice gets its own gradient (a retrace)
     assert frz.history[-1]["retraced"] and sliced_layers(m) == ["big"]
-    assert m.get_layer("big").__dict__[MARK].slice.key != first and frz.held_dense == []
+    assert m.get_layer("big").__dict__[MARK].slice.key != first and frz._held_dense == []
     frz.update(at(16), often=True)  # as Reselect calls it: the dense gradient from now on
-    assert frz.history[-1]["retraced"] and sliced_layers(m) == [] and frz.held_dense == ["big/kernel"]
+    assert frz.history[-1]["retraced"] and sliced_layers(m) == [] and frz._held_dense == ["big/kernel"]
     m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     for start in (24, 32):
         before = {v.path: numpy(v) for v in weights_of(m)}
@@ -157,7 +157,7 @@ def test_a_refused_change_leaves_the_kernels_held_as_they_were():
     with pytest.raises(ff.PlanError):
         plan = ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]"), ff.train("**/nothere")])
         frz.update(plan, often=True)
-    assert frz.held_dense == [] and sliced_layers(m) == ["big"]
+    assert frz._held_dense == [] and sliced_layers(m) == ["big"]
 
 
 def test_kernels_held_dense_stay_dense_in_a_loaded_model_which_resumes_bit_for_bit(tmp_path):
@@ -168,7 +168,7 @@ def test_kernels_held_dense_stay_dense_in_a_loaded_model_which_resumes_bit_for_b
     m.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     again = ff.Freezer.of(loaded)
-    assert again.gradients == "auto" and again.held_dense == ["big/kernel"] and sliced_layers(loaded) == []
+    assert again._gradients == "auto" and again._held_dense == ["big/kernel"] and sliced_layers(loaded) == []
     m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     again.verify()
@@ -228,7 +228,7 @@ def _job(directory, crash):
     try:
         m.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
     except KeyboardInterrupt:
-        assert frz.held_dense == ["big/kernel"]
+        assert frz._held_dense == ["big/kernel"]
     return m, frz
 
 
@@ -236,8 +236,8 @@ def test_a_run_that_held_a_kernel_dense_resumes_from_its_checkpoint_bit_for_bit(
     plain, _ = _job(tmp_path / "plain", crash=False)
     _job(tmp_path / "run", crash=True)
     resumed, frz = _job(tmp_path / "run", crash=False)  # the same script again, in a fresh model
-    assert frz.held_dense == ["big/kernel"] and sliced_layers(resumed) == []
-    assert frz.strategy_for("big/kernel") == "compact"
+    assert frz._held_dense == ["big/kernel"] and sliced_layers(resumed) == []
+    assert frz._strategy_for("big/kernel") == "compact"
     frz.verify()
     for a, b in zip(weights_of(resumed), weights_of(plain)):
         assert np.array_equal(numpy(a), numpy(b)), a.path
@@ -257,10 +257,10 @@ def test_often_takes_a_bool_and_a_refused_value_changes_nothing(often):
     m, frz = train("auto", epochs=1)
     with pytest.raises(ff.PlanError, match=r"often=.*give True .* or False"):
         frz.update(ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]")]), often=often)
-    assert frz.held_dense == [] and sliced_layers(m) == ["big"] and frz.plan.to_dict() == PLAN.to_dict()
+    assert frz._held_dense == [] and sliced_layers(m) == ["big"] and frz.plan.to_dict() == PLAN.to_dict()
 
 
 def test_often_holds_nothing_on_sliced_which_slices_whatever_it_costs():
     m, frz = train("sliced", epochs=1)
     frz.update(ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]")]), often=True)
-    assert frz.held_dense == [] and "big" in sliced_layers(m)
+    assert frz._held_dense == [] and "big" in sliced_layers(m)

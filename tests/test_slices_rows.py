@@ -70,7 +70,7 @@ CASES = [("range", m) for m in range(len(FIT_MODES))] + [("index list", 1)]
 @pytest.mark.parametrize("rows, mode", CASES, ids=[f"{r}-{FIT_MODES[m] or 'default'}" for r, m in CASES])
 def test_new_rows_train_as_the_dense_path_does(rows, mode):
     m, frz = fit(TRAINED[rows], **FIT_MODES[mode])
-    assert sliced_here(m.get_layer("tok")) and frz.strategy_for("tok/embeddings") == "compact"
+    assert sliced_here(m.get_layer("tok")) and frz._strategy_for("tok/embeddings") == "compact"
     ref, _ = fit(TRAINED[rows], gradients="dense", **FIT_MODES[mode])
     # TensorFlow reads the table sparsely on the dense path too (the same gradient); elsewhere it is Keras' call
     assert (MARK in ref.get_layer("tok").__dict__) is (BACKEND == "tensorflow")

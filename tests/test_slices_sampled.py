@@ -102,7 +102,7 @@ def test_the_gradient_is_plain_keras_at_the_trained_elements_and_zero_elsewhere(
 @pytest.mark.parametrize("mode", range(len(FIT_MODES)), ids=[str(m or "default") for m in FIT_MODES])
 def test_sampled_kernels_train_as_the_dense_path_does(mode):
     m, frz, before = fit(plan(), **FIT_MODES[mode])
-    assert MARK in m.get_layer("d").__dict__ and frz.strategy_for("d/kernel") == "compact"
+    assert MARK in m.get_layer("d").__dict__ and frz._strategy_for("d/kernel") == "compact"
     assert "[compact, sampled]" in frz.summary()
     ref, _, _ = fit(plan(), gradients="dense", **FIT_MODES[mode])
     for v, r in zip(weights_of(m), weights_of(ref)):

@@ -16,7 +16,7 @@ def data(n=64, d=5, k=4, seed=0):
 
 def frozen_unchanged(frz, before, after):
     for path, old in before.items():
-        st = frz.resolution.by_path(path)
+        st = frz._res.by_path(path)
         if st is None or st.state == "trainable" or st.state == "untrained":
             continue
         m = frz.frozen_mask(path)

@@ -40,7 +40,7 @@ class _PlanCallback(keras.callbacks.Callback):
         """Resolve every plan before training starts: a bad one fails now, not at epoch 7."""
         for key, plan in plans.items():
             try:
-                resolve(plan, frz.target)
+                resolve(plan, frz._target)
             except PlanError as e:
                 raise PlanError(f"{type(self).__name__} plan for {key}: {e}") from None
 
@@ -48,7 +48,7 @@ class _PlanCallback(keras.callbacks.Callback):
         if not self._started:
             self._started = True
             if epoch > 0:  # a resumed run (initial_epoch, BackupAndRestore): weights were just restored
-                self.freezer.rebase()
+                self.freezer._rebase()
         self._on_epoch(epoch)
 
     def _on_epoch(self, epoch) -> None:
@@ -126,7 +126,7 @@ class FreezeSchedule(_PlanCallback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.by == "step":
-            self._due(self.freezer.step)
+            self._due(self.freezer._step)
 
 
 class GradualUnfreezing(_PlanCallback):

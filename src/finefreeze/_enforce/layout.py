@@ -146,9 +146,9 @@ class Layout:
         >>> from finefreeze._enforce.layout import Layout
         >>> w = keras.Variable(np.zeros((4, 50), "float32"), name="w")
         >>> frz = ff.Freezer([w], ff.Plan([ff.freeze("w[1:]")]))
-        >>> Layout.from_resolution(frz.resolution, "auto", keras.optimizers.Adam()).get(w).kind
+        >>> Layout.from_resolution(frz._res, "auto", keras.optimizers.Adam()).get(w).kind
         'restore'
-        >>> Layout.from_resolution(frz.resolution, "auto", keras.optimizers.Lamb()).get(w).kind
+        >>> Layout.from_resolution(frz._res, "auto", keras.optimizers.Lamb()).get(w).kind
         'restore'
     """
 

@@ -36,7 +36,7 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     """
     tensors: dict[str, np.ndarray] = {}
     meta_vars = {}
-    res = frz.resolution
+    res = frz._res
     for st in res.states:
         p, var, kind, mask = st.path, st.variable, res.kind_of(st), st.mask
         value = np.ascontiguousarray(np.asarray(var.numpy()))

@@ -104,14 +104,14 @@ class Freezer(Resumable, FreezerBase):
         self._wrapped: list = []  # weak references to optimizers made by wrap()
         self._earlier: list[tuple[str, str]] = []  # violations found at plan changes
         #: how many checkpoints were loaded into the model's optimizer (``load_weights``, ``BackupAndRestore``)
-        self.checkpoint_loads = 0
+        self._checkpoint_loads = 0
         #: the class and config of the optimizer wrapped last (the summary's state column names it)
-        self.last_wrapped = None
+        self._last_wrapped = None
         self.activate()
         self._record(0, retraced=False)
 
     @property
-    def layout(self) -> Layout:
+    def _layout(self) -> Layout:
         """The per-variable layout in force.
 
         The layout of the optimizer compiled into the model, else of the
@@ -121,14 +121,14 @@ class Freezer(Resumable, FreezerBase):
         shows ``compact``.
         """
         compiled = find_freezing_optimizer(self._target.obj)
-        if compiled is not None and compiled.freezer is self and compiled.layout is not None:
-            return compiled.layout  # the one that trains the model
-        opts = [o for o in self.optimizers() if o.layout is not None]
+        if compiled is not None and compiled._freezer is self and compiled._layout is not None:
+            return compiled._layout  # the one that trains the model
+        opts = [o for o in self._optimizers() if o._layout is not None]
         if opts:
-            return opts[-1].layout
+            return opts[-1]._layout
         return Layout.from_resolution(self._res, self._strategy, None)
 
-    def strategy_for(self, path: str) -> str | None:
+    def _strategy_for(self, path: str) -> str | None:
         """The strategy that enforces a partially frozen variable (None for others).
 
         Read from :attr:`layout`, so it is what the optimizer does.
@@ -136,7 +136,7 @@ class Freezer(Resumable, FreezerBase):
         st = self._state(path)
         if st.state != PARTIAL:
             return None
-        return self.layout.get(st.variable).kind
+        return self._layout.get(st.variable).kind
 
     # -- flags and fingerprints ----------------------------------------------
     def activate(self) -> Freezer:
@@ -152,26 +152,21 @@ class Freezer(Resumable, FreezerBase):
             self.
         """
         set_flags(self._target, self._res)
-        sliced = set_sliced(self._target, self._res, self, self.slicing, self._held)
-        if any(o.built and o.trains_outside() for o in self.optimizers()):
+        sliced = set_sliced(self._target, self._res, self, self._slicing, self._held)
+        if any(o.built and o._trains_outside() for o in self._optimizers()):
             return self.update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
         if sliced:
-            self.follow_standins()
+            self._follow_standins()
         self._retrace()
         self._fingerprint = self._take_fingerprint()
         return self
 
-    @property
-    def target(self):
-        """The collected target: its object (``target.obj``), layers and variables with their paths."""
-        return self._target
-
-    def rebase(self) -> None:
+    def _rebase(self) -> None:
         """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
-        self.sync()
+        self._sync()
         self._fingerprint = self._take_fingerprint()
 
-    def sync(self) -> None:
+    def _sync(self) -> None:
         """Bring the variables up to date before reading or changing them (callbacks inside ``fit`` call it).
 
         Keras' JAX trainer keeps the training state outside the variables
@@ -182,7 +177,7 @@ class Freezer(Resumable, FreezerBase):
         if sync is not None:
             sync()
 
-    def trainable_variables_for_build(self) -> list:
+    def _build_variables(self) -> list:
         """What ``fit`` builds the optimizer on: the model's trainable variables (or this Freezer's)."""
         obj = self._target.obj
         return list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
@@ -192,14 +187,14 @@ class Freezer(Resumable, FreezerBase):
         if isinstance(obj, keras.Model) and getattr(obj, "train_function", None) is not None:
             obj.make_train_function(force=True)
 
-    def optimizers(self) -> list[FreezingOptimizer]:
+    def _optimizers(self) -> list[FreezingOptimizer]:
         """The live ``FreezingOptimizer`` s of this Freezer: those it wrapped, and one compiled into a loaded model.
 
         Reports and ``update`` read them; ``Freezer.of`` binds a loaded model's optimizer.
         """
         opts = [o for o in (r() for r in self._wrapped) if o is not None]
         compiled = find_freezing_optimizer(self._target.obj)
-        if compiled is not None and compiled.freezer is None and compiled not in opts:  # a loaded model's
+        if compiled is not None and compiled._freezer is None and compiled not in opts:  # a loaded model's
             opts.append(compiled)
         return opts
 
@@ -252,37 +247,37 @@ class Freezer(Resumable, FreezerBase):
         if not isinstance(often, bool):
             raise PlanError(f"update(..., often={often!r}): give True (the plan changes again soon) or False")
         plan = as_plan(plan)
-        self.sync()
+        self._sync()
         res = resolve(plan, self._target)
-        opts = self.optimizers()
+        opts = self._optimizers()
         old, held = self._res, set(self._held)
         # Everything that can refuse the plan runs before anything changes.
         self._res = res
         try:
             flags_changed = set_flags(self._target, self._res)
-            flags_changed |= set_sliced(self._target, self._res, self, self.slicing, self._held, often)
-            var_list = self.trainable_variables_for_build()
-            layouts = [opt.prepare_change(res, var_list) for opt in opts]
+            flags_changed |= set_sliced(self._target, self._res, self, self._slicing, self._held, often)
+            var_list = self._build_variables()
+            layouts = [opt._prepare_change(res, var_list) for opt in opts]
         except Exception:
             self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self.slicing, self._held)
+            set_sliced(self._target, self._res, self, self._slicing, self._held)
             raise
-        step = self.step
+        step = self._step
         earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
-        undo = [opt.begin_change() for opt in opts]
+        undo = [opt._begin_change() for opt in opts]
         retrace = True
         try:
             retrace = flags_changed
             with owner_scope(var_list):  # new optimizer variables must be mirrored like the model's
                 for opt, layout in zip(opts, layouts):
-                    retrace |= opt.commit_change(res, layout, var_list)
+                    retrace |= opt._commit_change(res, layout, var_list)
         except BaseException:
             for u in undo:
-                opts[0].undo_change(u)
+                opts[0]._undo_change(u)
             self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self.slicing, self._held)
+            set_sliced(self._target, self._res, self, self._slicing, self._held)
             self._retrace()
             raise
         self._earlier += earlier
@@ -294,10 +289,10 @@ class Freezer(Resumable, FreezerBase):
         return self
 
     @property
-    def step(self) -> int:
+    def _step(self) -> int:
         """The optimizer step of this Freezer's first optimizer (0 without one); ``FreezeSchedule`` reads it."""
-        self.sync()
-        opts = self.optimizers()
+        self._sync()
+        opts = self._optimizers()
         return int(to_numpy(opts[0].iterations)) if opts else 0
 
     def _take_fingerprint(self):
@@ -330,7 +325,7 @@ class Freezer(Resumable, FreezerBase):
               w: 1 frozen element(s) differ at (0, 1) (shape (2, 2))
             ...
         """
-        self.sync()
+        self._sync()
         if reference is None:
             if self._earlier:
                 bad = self._earlier + self._fingerprint.check()
@@ -364,13 +359,12 @@ class Freezer(Resumable, FreezerBase):
         if strategy not in self._strategies:
             raise PlanError(self._strategy_refusal(strategy))
         layout = Layout.from_resolution(self._res, strategy, optimizer)
-        opt = FreezingOptimizer(
-            optimizer, self._res.plan, strategy=strategy, step_count=step_count, _resolution=self._res, _layout=layout
-        )
-        opt.refuse_nan(layout)
-        opt.bind_freezer(self, strong=True)  # the optimizer keeps its Freezer (and its stand-ins) alive
+        opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy, step_count=step_count)
+        opt._start_from(resolution=self._res, layout=layout)
+        opt._refuse_nan(layout)
+        opt._bind_freezer(self, strong=True)  # the optimizer keeps its Freezer (and its stand-ins) alive
         self._wrapped.append(weakref.ref(opt))
-        self.last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
+        self._last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
         return opt
 
     # -- delta files -------------------------------------------------------------

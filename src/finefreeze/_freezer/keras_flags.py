@@ -157,10 +157,10 @@ def flag_changes(target, res) -> list[tuple[str, Rule]]:
 
 def honour_flags(frz) -> None:
     """Turn ``layer.trainable`` switches made since ``frz`` set the flags into rules of its plan (with a warning)."""
-    changes = flag_changes(frz.target, frz.resolution)
+    changes = flag_changes(frz._target, frz._res)
     if not changes:
         return
-    old = frz.resolution.plan
+    old = frz._res.plan
     frz.update(Plan([*old.rules, *(rule for _, rule in changes)], strict=old.strict, batchnorm=old.batchnorm))
     what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
     warnings.warn(

@@ -49,14 +49,14 @@ def record(opt, variables) -> dict:
     """The record of a built optimizer whose saved variables are ``variables`` (in order)."""
     where = {id(w): i for i, w in enumerate(variables)}
     slots = {}
-    for e in opt.enforcers:
+    for e in opt._enforcers:
         mine = {name: where[id(getattr(e, name))] for name in _SLOTS if getattr(e, name) is not None}
         if mine:
             slots[e.path] = mine
     config = opt.get_config()
     return {
         "version": VERSION,
-        "layout": opt.layout.to_config(),
+        "layout": opt._layout.to_config(),
         "slots": slots,
         "plan": config["plan"],
         "step": int(to_numpy(opt.iterations)),
@@ -157,9 +157,9 @@ def load(opt, state, store, frz) -> bool:
     if frz is None:
         born_as_saved(state, rec, store)
         keys = positional_keys(store)
-        if len(keys) != len(opt.stored_variables()):
+        if len(keys) != len(opt._stored_variables()):
             warnings.warn(
-                f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt.stored_variables())} variables "
+                f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt._stored_variables())} variables "
                 f"and the checkpoint {len(keys)}; a checkpoint written after a plan change loads into an "
                 "optimizer made by a Freezer (frz.wrap) of the model.",
                 FreezeWarning,
@@ -167,12 +167,12 @@ def load(opt, state, store, frz) -> bool:
             )
             return True
     elif not opt.built:  # a custom loop loading before its first step
-        opt.build(frz.trainable_variables_for_build())
+        opt.build(frz._build_variables())
     if frz is not None:
-        frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0), rec.get("gradients"))
+        frz._adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0), rec.get("gradients"))
         born_as_saved(state, rec, store)
     keys = positional_keys(store)
-    stored = opt.stored_variables()
+    stored = opt._stored_variables()
     if len(keys) != len(stored):
         raise PlanError(
             f"the checkpoint holds {len(keys)} optimizer variables for its plan, but the optimizer has "
@@ -182,7 +182,7 @@ def load(opt, state, store, frz) -> bool:
     for i, variable in enumerate(stored):
         variable.assign(store[str(i)])
     if frz is not None:
-        frz.rebase()
+        frz._rebase()
     return True
 
 
@@ -208,7 +208,7 @@ def born_as_saved(state, rec: dict, store) -> None:
 
 def load_plain(opt, store) -> None:
     """Keras' own loading, by position, of a checkpoint without a record (plain Keras, release 0.2 or older)."""
-    stored = opt.stored_variables()
+    stored = opt._stored_variables()
     keys = positional_keys(store)
     if len(keys) != len(stored):
         warnings.warn(
@@ -230,7 +230,7 @@ def stored(opt) -> list:
     index, so a run that slices a kernel and one that does not write the
     same checkpoint, and files of earlier releases load.
     """
-    after = {id(e.index): e.standin for e in opt.enforcers if e.standin is not None and e.kind == Kind.COMPACT}
+    after = {id(e.index): e.standin for e in opt._enforcers if e.standin is not None and e.kind == Kind.COMPACT}
     out = []
     for w in opt.variables:
         out.append(w)
@@ -242,11 +242,11 @@ def stored(opt) -> list:
 @contextlib.contextmanager
 def _as_saved(opt):
     """``opt``'s variables as saved: without the gradient norms, whether FreezeBoard tracks them or not."""
-    tracking, opt.track_gradient_norms = opt.track_gradient_norms, False
+    tracking, opt._track_gradient_norms = opt._track_gradient_norms, False
     try:
         yield
     finally:
-        opt.track_gradient_norms = tracking
+        opt._track_gradient_norms = tracking
 
 
 def save(opt, store) -> None:
@@ -255,7 +255,7 @@ def save(opt, store) -> None:
         variables = stored(opt)
         for i, w in enumerate(variables):
             store[str(i)] = w.numpy()
-        if opt.built and opt.layout is not None:
+        if opt.built and opt._layout is not None:
             write(store, record(opt, variables))
 
 

@@ -62,7 +62,7 @@ class Enforcement:
     Example:
         >>> import keras, finefreeze as ff
         >>> opt = ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan())
-        >>> opt.layout is None  # nothing enforced before build
+        >>> opt._layout is None  # nothing enforced before build
         True
     """
 

@@ -131,7 +131,7 @@ def apply_op(frz, optimizer, grads_and_vars, *, global_step=None, name: str | No
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise PlanError(f"grads_and_vars item {i} is not a (gradient, variable) pair: {pair!r}.")
         g, v = pair
-        s = frz.resolution.lookup(v)
+        s = frz._res.lookup(v)
         if s is None:
             raise PlanError(
                 f"grads_and_vars item {i}: variable {var_path(v) if isinstance(v, tf.Variable) else v!r} is not "
@@ -150,7 +150,7 @@ def apply_op(frz, optimizer, grads_and_vars, *, global_step=None, name: str | No
 
 def _apply(frz, optimizer, grads_and_vars, global_step, name) -> tf.Operation:
     """Select, apply, write back (the module docstring's steps 2-4), in the default graph."""
-    states = {id(s.variable): s for s in frz.resolution.states if s.state == PARTIAL}
+    states = {id(s.variable): s for s in frz._res.states if s.state == PARTIAL}
     with tf.compat.v1.name_scope(name, "finefreeze_train"):
         selected, restores = [], []
         for g, v in grads_and_vars:

@@ -104,7 +104,7 @@ def main() -> None:
     frz.verify()
     np.savez(HERE / "resumed.npz", **state(model))
     np.savez(HERE / "data.npz", x=x, y=y)
-    layouts = {e.path: e.kind for e in frz.layout}
+    layouts = {e.path: e.kind for e in frz._layout}
     (HERE / "MANIFEST.json").write_text(
         json.dumps(
             {
