@@ -72,9 +72,9 @@ def load_model(path: str | None, *, preset: bool = False):
     check_model_file(path)
     import keras
 
-    from finefreeze._keras_hook import register_now
+    from finefreeze._imports import register_keras_classes
 
-    register_now()  # finefreeze's own classes (the optimizer, the bundled layers)
+    register_keras_classes()  # finefreeze's own classes (the optimizer, the bundled model's layer)
     try:
         with warnings.catch_warnings():  # a KerasHub task compiles itself when built: Keras then says it skips
             warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")  # the saved one

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any
 
@@ -42,9 +41,7 @@ class Freezer(Resumable, FreezerBase):
 
     Args:
         target: a Keras model or layer, a ``tf.Module``, or a list of
-            variables; or a ``tf.compat.v1`` graph, graph variable or list
-            of them (then the Freezer has ``var_list`` and ``minimize``, see
-            docs/tf1.md).
+            variables (``tf.compat.v1`` graph code: ``ff.tf1.Freezer``).
         plan: the :class:`Plan` (a list of rules is accepted too).
         strategy: how partially frozen variables are enforced by
             :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
@@ -69,24 +66,6 @@ class Freezer(Resumable, FreezerBase):
         ['net/head/kernel', 'net/head/bias']
     """
 
-    @classmethod
-    def __subclasshook__(cls, other):
-        # ff.Freezer is the public type of every kind of Freezer (the graph Freezer shares the base, not the class)
-        if cls is Freezer and issubclass(other, FreezerBase):
-            return True
-        return NotImplemented
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        # tf.compat.v1 graph targets get a GraphFreezer; a graph exists only once TensorFlow is imported
-        target = args[0] if args else kwargs.get("target")
-        if cls is Freezer and tensorflow_imported() is not None:
-            from finefreeze._freezer.graph import GraphFreezer  # imports TensorFlow's v1 pieces: graphs only
-            from finefreeze._tf1.target import is_graph_target
-
-            if is_graph_target(target):
-                return GraphFreezer(*args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", gradients: str = "auto"):
         super().__init__(plan, strategy)
         if gradients not in GRADIENTS:
@@ -96,6 +75,7 @@ class Freezer(Resumable, FreezerBase):
             )
         self._gradients = gradients
         self._held: set[str] = set()  # gradients="auto": kernels kept dense (their slice moves with Reselect)
+        refuse_graph(target)
         self._target = collect(target)
         check_scope(
             [vi.variable for vi in self._target.variables], "the Freezer", [vi.path for vi in self._target.variables]
@@ -385,7 +365,20 @@ class Freezer(Resumable, FreezerBase):
         return save_delta(self, path)
 
 
-# inspect.signature(Freezer) shows __init__'s parameters, not those of the dispatching __new__
-Freezer.__signature__ = inspect.signature(Freezer.__init__).replace(
-    parameters=list(inspect.signature(Freezer.__init__).parameters.values())[1:]
-)
+def refuse_graph(target: Any) -> None:
+    """Refuse a ``tf.compat.v1`` graph target: ``ff.tf1.Freezer`` freezes graph code.
+
+    Raises:
+        PlanError: ``target`` is a graph, a graph variable, or a list or
+            ``tf.Module`` of them.
+    """
+    if tensorflow_imported() is None:
+        return  # a graph exists only once TensorFlow is imported
+    from finefreeze._tf1.target import is_graph_target  # TensorFlow's v1 pieces: graph code only
+
+    if is_graph_target(target):
+        raise PlanError(
+            f"ff.Freezer takes Keras models, layers, tf.Module objects and variables; this {type(target).__name__} "
+            "holds tf.compat.v1 graph variables: use ff.tf1.Freezer(target, plan), which has var_list and "
+            "minimize (docs/tf1.md)."
+        )

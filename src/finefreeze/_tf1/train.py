@@ -99,10 +99,10 @@ def _upstream_ops(t) -> set:
 
 
 def train_op(frz, optimizer, loss, *, global_step=None, name: str | None = None, **kwargs: Any) -> tf.Operation:
-    """Build the train op of :meth:`GraphFreezer.minimize` (see the module docstring).
+    """Build the train op of :meth:`Freezer.minimize` (see the module docstring).
 
     Raises:
-        PlanError, TypeError: see :meth:`GraphFreezer.minimize`; nothing is added to the graph.
+        PlanError, TypeError: see :meth:`Freezer.minimize`; nothing is added to the graph.
     """
     _check_optimizer(optimizer, "minimize")
     _check_loss(frz, loss)
@@ -118,10 +118,10 @@ def train_op(frz, optimizer, loss, *, global_step=None, name: str | None = None,
 
 
 def apply_op(frz, optimizer, grads_and_vars, *, global_step=None, name: str | None = None) -> tf.Operation:
-    """Build the train op of :meth:`GraphFreezer.apply_gradients`.
+    """Build the train op of :meth:`Freezer.apply_gradients`.
 
     Raises:
-        PlanError, TypeError: see :meth:`GraphFreezer.apply_gradients`; nothing is added to the graph.
+        PlanError, TypeError: see :meth:`Freezer.apply_gradients`; nothing is added to the graph.
     """
     _check_optimizer(optimizer, "apply_gradients")
     _check_graph(frz)
