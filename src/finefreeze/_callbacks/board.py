@@ -137,9 +137,8 @@ class FreezeBoard(keras.callbacks.Callback):
         self._freezer_now = freezer_of(self.model, self._freezer, "FreezeBoard")
         self._opt = find_freezing_optimizer(self.model)
         self._writer = EventWriter(self.log_dir)
-        if self._opt is not None and not self._opt._track_gradient_norms:
-            self._opt._track_gradient_norms = True  # the step writes the norms from the gradients it computes anyway
-            if getattr(self.model, "train_function", None) is not None:
+        if self._opt is not None and not self._opt._record_norms(True):
+            if getattr(self.model, "train_function", None) is not None:  # the step writes the norms from now on
                 self.model.make_train_function(force=True)
         self.write_plan()
 

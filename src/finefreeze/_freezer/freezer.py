@@ -52,7 +52,7 @@ class Freezer(Resumable, FreezerBase):
             of that slice only where ``benchmarks/`` measured it cheaper, the
             others the whole one; ``"sliced"``: every slice; ``"dense"``:
             every kernel's whole weight gradient, as plain Keras computes it
-            (docs/strategies.md).
+            (docs/guarantees.md).
 
     Raises:
         PlanError: the plan does not resolve against ``target``.

@@ -242,11 +242,11 @@ def stored(opt) -> list:
 @contextlib.contextmanager
 def _as_saved(opt):
     """``opt``'s variables as saved: without the gradient norms, whether FreezeBoard tracks them or not."""
-    tracking, opt._track_gradient_norms = opt._track_gradient_norms, False
+    tracking = opt._record_norms(False)
     try:
         yield
     finally:
-        opt._track_gradient_norms = tracking
+        opt._record_norms(tracking)
 
 
 def save(opt, store) -> None:

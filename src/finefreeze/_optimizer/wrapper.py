@@ -183,6 +183,14 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self._freezer_ref = weakref.ref(freezer)
         self._freezer_strong = freezer if strong else None
 
+    def _record_norms(self, on: bool) -> bool:
+        """Whether each step records the gradient norms from now on (a retrace puts it in force); returns the old setting.
+
+        Recording reads the gradients the step computes anyway and changes none of them.
+        """
+        was, self._track_gradient_norms = self._track_gradient_norms, on
+        return was
+
     def _gradient_norms(self) -> tuple[float, float] | None:
         """``(trainable, frozen)`` norms of the gradient of the last step, before enforcement.
 
@@ -245,19 +253,11 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         return layout
 
     def _commit_change(self, resolution, layout: Layout, var_list) -> bool:
-        """Put ``layout`` in force (``Freezer.update`` calls this after :meth:`_prepare_change`).
+        """Put ``layout`` in force (``Freezer.update``, after :meth:`_prepare_change`); True: retrace the step.
 
-        Element-mask changes of variables that stay partially frozen with the
-        same strategy, and new ``lr_scale`` values, are written into the
-        optimizer's variables: no retrace. Anything else rebuilds the
-        enforcers and rebuilds the same inner optimizer in place: state is
-        kept for every element that stays trainable, global state
-        (``iterations``, learning rate) is kept, newly trainable elements
-        start fresh (zero moments; EMA averages at their current value), and
-        the state of what stops training is released.
-
-        Returns:
-            True when the train function must be retraced.
+        Mask and ``lr_scale`` changes are written into the optimizer's
+        variables; anything else rebuilds the same inner optimizer in place,
+        keeping the state of every element that stays trainable (``Enforcement.commit``).
         """
         self._plan = resolution.plan
         return self._enforcement.commit(resolution, layout, var_list, self.built)
