@@ -86,7 +86,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         saved_layout, saved_gradients = kwargs.pop("_saved_layout", None), kwargs.pop("_gradients", None)
         refuse_arguments(FreezingOptimizer, inner_optimizer, plan, strategy, kwargs, step_count)
         super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
-        #: a loaded model's ``Freezer.gradients_record()``; files of earlier releases: None (the dense gradient)
+        #: a loaded model's ``Freezer.gradients_record()``; None if it was saved without a Freezer (dense)
         self.saved_gradients = saved_gradients
         self.inner_optimizer = inner_optimizer
         self._plan = plan
@@ -140,7 +140,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
 
         Raises:
             PlanError: the checkpoint's masks do not resolve against this
-                optimizer's model, or its record is newer than this release.
+                optimizer's model, or its record is of another format.
         """
         checkpoint.load_into(self, self._enforcement, store, self.freezer)
 
