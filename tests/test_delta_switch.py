@@ -1,5 +1,6 @@
 """Many tasks on one base: DeltaSwitch (in place, bit for bit, all or nothing) and merge_deltas."""
 
+import json
 import os
 import subprocess
 import sys
@@ -254,13 +255,15 @@ def test_the_same_delta_is_the_same_bytes(deltas, tmp_path):
     )  # safetensors reads it
 
 
-def test_a_merged_file_is_format_3_and_about_the_size_of_its_parts(deltas, tmp_path):
+def test_a_merged_file_has_the_one_format_with_every_check_and_about_the_size_of_its_parts(deltas, tmp_path):
     merged = tmp_path / "m.safetensors"
     ff.merge_deltas([deltas["scattered"], deltas["rows"]], merged)
     from safetensors import safe_open
 
     with safe_open(str(merged), "np") as f:
-        assert f.metadata()["format"] == "finefreeze.delta/3"
+        assert f.metadata()["format"] == "finefreeze.delta/1"
+        checks = [len(v["checks"]) for v in json.loads(f.metadata()["variables"]).values() if "checks" in v]
+    assert checks and max(checks) == 2  # a variable both deltas check keeps both checks
     assert os.path.getsize(merged) < os.path.getsize(deltas["scattered"]) + os.path.getsize(deltas["rows"]) + 4096
 
 

@@ -3,10 +3,9 @@
 What auto decides is :func:`finefreeze._slices.choose.pays`; these tests
 check that the layers follow it, that auto's training is the sliced path's
 bit for bit where it slices and the dense path's where it does not, and the
-three cases where auto keeps a slice on the dense gradient on purpose: a
-plan that changes often (``update(..., often=True)``, as ``Reselect`` calls
-it), a FreezeBoard recording the frozen gradient's norm, and a file of an
-earlier release. Backend-neutral.
+two cases where auto keeps a slice on the dense gradient on purpose: a plan
+that changes often (``update(..., often=True)``, as ``Reselect`` calls it),
+and a FreezeBoard recording the frozen gradient's norm. Backend-neutral.
 """
 
 import keras

@@ -7,11 +7,4 @@ text data (``presets``), ``--select`` (``selectfile``) and TensorFlow kept quiet
 
 May import: every room. ``import finefreeze`` stays light: Keras is imported
 only once a command runs.
-
-``main`` is re-exported: the console script names ``finefreeze._cli:main`` (as
-release 0.1's did, so an install made then keeps working).
 """
-
-from finefreeze._cli.commands import main as main
-
-__all__ = ["main"]

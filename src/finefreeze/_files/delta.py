@@ -58,13 +58,13 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     return write_file(path, tensors, meta_vars, plan, base=base)
 
 
-def write_file(path, tensors, variables, plan: str, *, base=None, fmt: str = deltafile.FORMAT) -> dict[str, Any]:
+def write_file(path, tensors, variables, plan: str, *, base=None) -> dict[str, Any]:
     """Write a delta atomically (temporary file, fsync, rename); return ``{path, bytes, tensors}``."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        deltafile.write(tensors, variables, plan, __version__, tmp, base=base, fmt=fmt)
+        deltafile.write(tensors, variables, plan, __version__, tmp, base=base)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)

@@ -109,7 +109,7 @@ def rebuild_freezer(cls, model, opt):
         except PlanError:
             ok = False
         plan = opt.plan if ok else masks_plan(opt)
-    # files of earlier releases trained on the dense gradients: they resume bit for bit on them
+    # an optimizer saved without a Freezer trained on the dense gradients: it resumes bit for bit on them
     gradients = opt._saved_gradients or {"mode": "dense"}
     return cls(model, plan, strategy=opt.strategy, gradients=gradients.get("mode", "dense"))
 

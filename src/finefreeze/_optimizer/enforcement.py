@@ -33,7 +33,7 @@ from finefreeze._enforce.enforcer import (
     make_enforcers,
     scale_value,
 )
-from finefreeze._enforce.layout import Layout, refuse_unknown
+from finefreeze._enforce.layout import Layout, check_saved, refuse_unknown
 from finefreeze._enforce.policy import family
 from finefreeze._keras.instances import attributes, restore_attributes
 from finefreeze._keras.optimizers import forget_positions, own_variables
@@ -59,6 +59,9 @@ class Enforcement:
         layout: a layout decided already (``Freezer.wrap``), or None.
         saved_layout: the layout of a saved optimizer's config, or None.
 
+    Raises:
+        PlanError: ``saved_layout`` is of another format (``check_saved``).
+
     Example:
         >>> import keras, finefreeze as ff
         >>> opt = ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan())
@@ -75,6 +78,8 @@ class Enforcement:
         self._count_kind = count_kind
         self._resolution = resolution
         self._layout: Layout | None = layout
+        if saved_layout is not None:
+            check_saved(saved_layout)  # refused as the model file is read, before anything is built on it
         self._saved_layout = saved_layout
         self._inner_base = migrate.constructor_variables(inner)
         self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))

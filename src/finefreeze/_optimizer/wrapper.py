@@ -141,7 +141,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
 
         Raises:
             PlanError: the checkpoint's masks do not resolve against this
-                optimizer's model, or its record is newer than this release.
+                optimizer's model, or its record is of another format.
         """
         checkpoint.load_into(self, self._enforcement, store, self._freezer)
 
