@@ -298,3 +298,35 @@ def test_processes_killed_by_os_exit_and_sigkill_resume_bit_identical(tmp_path):
         assert sorted(resumed.files) == sorted(want.files)
         for k in want.files:
             assert resumed[k].tobytes() == want[k].tobytes(), (backup, k)
+
+
+def test_weights_loaded_before_compile_into_a_model_built_otherwise_are_verify_s_baseline(tmp_path):
+    """A model built with other initial values, a Freezer, ``load_weights``, then ``compile``: verify is right."""
+    plan = ff.Plan([ff.freeze("**/a/**"), ff.freeze("**/b/kernel[0]")])
+
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(5, name="a"), keras.layers.Dense(3, name="b")], name="m"
+        )
+
+    first = build(1)
+    frz = ff.Freezer(first, plan)
+    first.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    first.fit(X, Y, epochs=1, verbose=0)
+    first.save_weights(tmp_path / "run.weights.h5")
+    saved = {v.path: np.array(keras.ops.convert_to_numpy(v)) for v in first.weights}
+
+    again = build(2)  # other initial values
+    frz = ff.Freezer(again, plan)
+    again.load_weights(tmp_path / "run.weights.h5")
+    again.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    again.fit(X, Y, epochs=1, verbose=0)
+    frz.verify()
+    kernel = np.array(keras.ops.convert_to_numpy(again.get_layer("b").kernel))
+    assert np.array_equal(kernel[0], saved["m/b/kernel"][0])
+    for v in again.get_layer("a").weights:
+        assert np.array_equal(np.array(keras.ops.convert_to_numpy(v)), saved[v.path])
+    again.get_layer("a").kernel.assign(again.get_layer("a").kernel + 1.0)  # a frozen element moves: verify says so
+    with pytest.raises(ff.FrozenValueChanged, match="m/a/kernel"):
+        frz.verify()

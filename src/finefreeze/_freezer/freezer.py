@@ -14,7 +14,7 @@ from finefreeze._enforce.layout import Layout
 from finefreeze._errors import FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
 from finefreeze._freezer.base import FreezerBase, as_plan
-from finefreeze._freezer.keras_flags import honour_flags, set_flags, warn_switched_off, warn_switched_on
+from finefreeze._freezer.keras_flags import flag_changes, honour_flags, set_flags, warn_switched_off, warn_switched_on
 from finefreeze._freezer.reload import Resumable
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
@@ -87,7 +87,7 @@ class Freezer(Resumable, FreezerBase):
         self._checkpoint_loads = 0
         #: the class and config of the optimizer wrapped last (the summary's state column names it)
         self._last_wrapped = None
-        self.activate()
+        self._activate()
         self._record(0, retraced=False)
 
     @property
@@ -128,18 +128,32 @@ class Freezer(Resumable, FreezerBase):
         rebuilt on this plan's variables (as :meth:`update` does). Training
         with an optimizer whose plan is not in force warns (``FreezeWarning``).
 
+        A ``layer.trainable`` switched since this Freezer set the flags
+        becomes a rule at the end of its plan, with a ``FreezeWarning``.
+
         Returns:
             self.
         """
+        plan = honour_flags(self, self._res.plan)
+        if plan is not self._res.plan:
+            return self._update(plan)
+        warn_switched_on(self._target, self._res)
+        return self._activate()
+
+    def _activate(self) -> Freezer:
         set_flags(self._target, self._res)
         sliced = set_sliced(self._target, self._res, self, self._slicing, self._held)
         if any(o.built and o._trains_outside() for o in self._optimizers()):
-            return self.update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
+            return self._update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
         if sliced:
             self._follow_standins()
         self._retrace()
         self._fingerprint = self._take_fingerprint()
         return self
+
+    def _switched(self) -> list[str]:
+        """The ``layer.trainable`` switches made since this Freezer set the flags (its optimizer warns of them)."""
+        return [what for what, _ in flag_changes(self._target, self._res)]
 
     def _rebase(self) -> None:
         """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
@@ -193,7 +207,9 @@ class Freezer(Resumable, FreezerBase):
         keep their state; released ones get a fresh optimizer's (zero moments,
         an EMA average equal to their value, a step count from now on).
         ``verify()`` keeps checking what was frozen before the change, up to
-        the change, and checks newly frozen elements from now on. ``fit``
+        the change, and checks newly frozen elements from now on. A
+        ``layer.trainable`` switched since the flags were set becomes a rule
+        at the end of ``plan``, with a ``FreezeWarning``. ``fit``
         picks up the retraced function itself; a custom loop wraps its step
         in a new ``tf.function`` when ``history[-1]["retraced"]`` is True.
 
@@ -226,7 +242,13 @@ class Freezer(Resumable, FreezerBase):
         """
         if not isinstance(often, bool):
             raise PlanError(f"update(..., often={often!r}): give True (the plan changes again soon) or False")
-        plan = as_plan(plan)
+        given = as_plan(plan)
+        plan = honour_flags(self, given)
+        if plan is given:
+            warn_switched_on(self._target, self._res)
+        return self._update(plan, often)
+
+    def _update(self, plan: Plan, often: bool = False) -> Freezer:
         self._sync()
         res = resolve(plan, self._target)
         opts = self._optimizers()
@@ -326,10 +348,16 @@ class Freezer(Resumable, FreezerBase):
             strategy: overrides the Freezer's strategy.
             step_count: ``"release"`` (a released element counts steps from its release) or ``"global"``.
 
+        The first ``wrap`` takes the fingerprint that :meth:`verify` checks
+        anew: the weights the model is compiled with (a checkpoint loaded
+        after the Freezer was made, say) are the frozen baseline.
+
         Returns:
             The wrapping ``FreezingOptimizer``.
         """
-        honour_flags(self)  # layer.trainable switched since the flags were set: rules of the plan
+        plan = honour_flags(self, self._res.plan)  # layer.trainable switched since the flags were set
+        if plan is not self._res.plan:
+            self._update(plan)
         warn_switched_on(self._target, self._res)
         warn_switched_off(self._res)
         variables = [vi.variable for vi in self._target.variables]
@@ -344,6 +372,9 @@ class Freezer(Resumable, FreezerBase):
         opt._refuse_nan(layout)
         opt._bind_freezer(self, strong=True)  # the optimizer keeps its Freezer (and its stand-ins) alive
         self._wrapped.append(weakref.ref(opt))
+        if len(self._wrapped) == 1 and not self._earlier:
+            # the first optimizer starts training: weights loaded since the Freezer was made are the baseline
+            self._rebase()
         self._last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
         return opt
 

@@ -165,7 +165,7 @@ class Resumable:
         if new is None:
             return
         self._rebase()  # the model's weights were loaded just before: they are the baseline now
-        self.update(new)
+        self._update(new)
         self._history[-1].update(step=step, resumed=True)
 
     def _hold(self, held: set[str] | None) -> None:
