@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -330,3 +331,25 @@ def test_weights_loaded_before_compile_into_a_model_built_otherwise_are_verify_s
     again.get_layer("a").kernel.assign(again.get_layer("a").kernel + 1.0)  # a frozen element moves: verify says so
     with pytest.raises(ff.FrozenValueChanged, match="m/a/kernel"):
         frz.verify()
+
+
+def test_a_model_saved_before_its_first_step_loads_with_its_plan_and_trains_it(tmp_path):
+    """Saved after compile, before fit: the optimizer saved no masks; the loaded model takes its saved plan."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(5, name="block"), keras.layers.Dense(3, name="head")], name="m"
+    )
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), ff.train("**/block/kernel[:3]")]))
+    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    model.save(tmp_path / "m.keras")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")  # Keras: no state saved
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    again = ff.Freezer.of(loaded)
+    assert np.array_equal(again.frozen_mask("block/kernel"), frz.frozen_mask("m/block/kernel"))
+    kernel = loaded.get_layer("block").kernel
+    before = np.array(keras.ops.convert_to_numpy(kernel))
+    loaded.fit(X, Y, epochs=1, verbose=0)
+    after = np.array(keras.ops.convert_to_numpy(kernel))
+    again.verify()
+    assert np.array_equal(after[3:], before[3:]) and not np.array_equal(after[:3], before[:3])

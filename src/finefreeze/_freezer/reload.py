@@ -102,7 +102,7 @@ def _same(res, saved: dict) -> bool:
 def rebuild_freezer(cls, model, opt):
     """The Freezer of ``model`` whose ``FreezingOptimizer`` ``opt`` has no Freezer (a loaded model)."""
     plan = opt.plan or Plan()
-    if opt.built and opt._layout is not None:
+    if opt.built and opt._layout is not None and not opt._placeholders:
         saved = _saved_masks(opt)
         try:
             ok = opt.plan is not None and _same(resolve(opt.plan, collect(model)), saved)
@@ -218,3 +218,5 @@ class Resumable:
         self._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan was in force before the save
         opt._bind_freezer(self, strong=True)
         self._wrapped.append(weakref.ref(opt))
+        if opt._placeholders:  # saved before its first step: the plan's masks go into the optimizer now
+            self._update(self._res.plan)

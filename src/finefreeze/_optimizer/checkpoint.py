@@ -292,5 +292,7 @@ def save(opt, store) -> None:
 def load_into(opt, state, store, frz) -> None:
     """Load ``store`` into ``opt`` (its enforcement ``state``, bound to ``frz`` or None): by its record, else by position."""
     with _as_saved(opt):
-        if not load(opt, state, store, frz):
+        if load(opt, state, store, frz):
+            state.values_loaded()  # the record holds the masks; an optimizer saved unbuilt or by Keras has none
+        else:
             load_plain(opt, store)

@@ -121,6 +121,11 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         return self._enforcement.layout
 
     @property
+    def _placeholders(self) -> bool:
+        """Built from a saved layout, no values loaded yet (a model saved before its first step)."""
+        return self._enforcement.placeholders
+
+    @property
     def variables(self):
         own = super().variables + self.inner_optimizer.variables
         if getattr(self, "_track_gradient_norms", False) and self._enforcement.enforcers.norms:
