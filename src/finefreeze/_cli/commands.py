@@ -68,7 +68,7 @@ def cmd_finetune(args) -> int:
         if args.select is not None:  # choose the plan from the training data first
             from finefreeze._cli.selectfile import select_to_file
 
-            budget = "0.01" if args.budget is None else args.budget
+            budget = "1%" if args.budget is None else args.budget
             plan = select_to_file(
                 args.model,
                 args.data,

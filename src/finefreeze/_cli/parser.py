@@ -83,7 +83,9 @@ def _finetune(sub, fn: Callable) -> None:
         help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
     )
     ft.add_argument(
-        "--budget", default=None, help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
+        "--budget",
+        default=None,
+        help="with --select: a fraction (0.01), a percent (1%%) or a count of elements (5000) (default: 1%%)",
     )
 
 
