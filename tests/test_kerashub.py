@@ -148,9 +148,16 @@ def test_lora_adapters_and_selected_base_elements_train_together_on_a_backbone()
     model = classifier()
     model.backbone.enable_lora(2)
     before = values(model)
-    plan = ff.select(
-        model, (TEXTS, LABELS), budget=12, include=["**/lora_*", "**/logits/**"], loss=LOSS, batch_size=3, verbose=0
-    )
+    with pytest.warns(ff.FreezeWarning, match="selects 12 of"):  # a count of 12 elements, not 12 %
+        plan = ff.select(
+            model,
+            (TEXTS, LABELS),
+            budget=12,
+            include=["**/lora_*", "**/logits/**"],
+            loss=LOSS,
+            batch_size=3,
+            options={"verbose": 0},
+        )
     frz = ff.Freezer(model, plan)
     assert "not trained by Keras: 0" in frz.summary()  # enable_lora switched the backbone off: all plan targets
     text = frz.summary(detail=True)

@@ -48,7 +48,12 @@ LOCAL_IMPORTS = {
     ("finefreeze._backends.torch", "finefreeze._backends.torch.autograd_function"),
 }
 #: modules whose local imports are all deliberate: the command line imports Keras only once a command runs
-LAZY_MODULES = {"finefreeze._cli.commands", "finefreeze._cli.inputs", "finefreeze._cli.finetune"}
+LAZY_MODULES = {
+    "finefreeze._cli.commands",
+    "finefreeze._cli.deltas",
+    "finefreeze._cli.inputs",
+    "finefreeze._cli.finetune",
+}
 
 
 def _modules():

@@ -100,7 +100,9 @@ def test_lora_plus_sparse_base_elements_train_as_plain_keras_would():
 def test_fit_trains_adapters_and_chosen_base_elements_and_nothing_else():
     x, y = data()
     m = lora_model()
-    plan = ff.select(m, (x, y), budget=0.1, loss="mse", include="**/lora_kernel_*", per_variable=True, verbose=0)
+    plan = ff.select(
+        m, (x, y), budget=0.1, loss="mse", include="**/lora_kernel_*", per_variable=True, options={"verbose": 0}
+    )
     frz = ff.Freezer(m, plan)
     chosen = {s.path for s in frz._res.states if s.state == "partial"}
     assert "d/kernel" in chosen  # the sparse part may sit in the base kernel under LoRA

@@ -43,7 +43,7 @@ class Checker(keras.callbacks.Callback):
 def run(strategy, optimizer, epochs=4):
     m = mlp(units=(16, 16, 4))
     x, y = data()
-    plan = ff.select(m, (x, y), budget=0.1, score="fisher", loss=LOSS, include="**/head/**", verbose=0)
+    plan = ff.select(m, (x, y), budget=0.1, score="fisher", loss=LOSS, include="**/head/**", options={"verbose": 0})
     frz = ff.Freezer(m, plan, strategy=strategy)
     m.compile(optimizer=frz.wrap(optimizer), loss=LOSS)
     start = [np.array(v.numpy(), copy=True) for v in weights_of(m)]
@@ -162,7 +162,7 @@ def test_a_plan_without_partial_variables_is_refused_before_the_first_step():
 def test_reselect_outside_fit_and_the_plan_keeps_its_batchnorm_option():
     m = mlp(units=(16, 16, 4), bn=True)
     x, y = data()
-    chosen = ff.select(m, (x, y), budget=0.1, score="fisher", loss=LOSS, include="**/head/**", verbose=0)
+    chosen = ff.select(m, (x, y), budget=0.1, score="fisher", loss=LOSS, include="**/head/**", options={"verbose": 0})
     frz = ff.Freezer(m, ff.Plan(chosen.rules, batchnorm="frozen"))
     m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=LOSS)
     m.fit(x, y, batch_size=8, verbose=0)

@@ -382,7 +382,9 @@ def test_the_full_weight_gradient_is_never_computed(kind):
 @pytest.mark.parametrize("structure, axis", [("columns", -1), ("rows", 0)])
 def test_select_with_a_structure_chooses_whole_slices_that_train_at_their_own_cost(structure, axis):
     m = model()
-    p = ff.select(m, (X, Y), budget=0.15, score="gradient", loss="mse", batch_size=16, structure=structure, verbose=0)
+    p = ff.select(
+        m, (X, Y), budget=0.15, score="gradient", loss="mse", batch_size=16, structure=structure, options={"verbose": 0}
+    )
     frz = ff.Freezer(m, p, gradients="sliced")
     n_trained = 0
     for name in ("d", "q", "c1", "c2", "head"):

@@ -56,7 +56,7 @@ class Reselect(keras.callbacks.Callback):
     Example:
         >>> import keras, numpy as np, finefreeze as ff
         >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="a")], name="m")
-        >>> frz = ff.Freezer(m, ff.select(m, budget=6, score="random"))
+        >>> frz = ff.Freezer(m, ff.select(m, budget=0.375, score="random"))  # 6 of 16
         >>> m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.1)), loss="mse")
         >>> x, y = np.ones((8, 3), "float32"), np.zeros((8, 4), "float32")
         >>> cb = ff.callbacks.Reselect((x, y), every=2, fraction=0.5)

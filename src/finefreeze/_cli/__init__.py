@@ -1,6 +1,7 @@
 """Room of the command line: ``finefreeze finetune``, ``inspect``, ``verify``, ``delta``.
 
-Owns: the commands and exit codes (``commands``), their arguments (``parser``), the checks
+Owns: the commands and exit codes (``commands``), their arguments (``parser``), ``delta export`` and
+``delta apply`` (``deltas``), the checks
 before a framework loads (``checks``), the main job
 (``finetune``) and its batches (``epochs``), checked inputs (``inputs``), KerasHub preset folders and
 text data (``presets``), ``--select`` (``selectfile``) and TensorFlow kept quiet (``quiet``).

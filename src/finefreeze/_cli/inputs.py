@@ -14,7 +14,7 @@ import zipfile
 
 import numpy as np
 
-from finefreeze._cli.presets import check_preset, is_preset, load_preset, text_task
+from finefreeze._cli.presets import base_from_preset, check_preset, is_preset, load_preset, text_task
 from finefreeze._files.atomic import UserError
 from finefreeze._keras.layers import all_layers, inbound_tensors
 
@@ -22,6 +22,7 @@ __all__ = [
     "UserError",
     "check_model_file",
     "load_model",
+    "base_model",
     "plan_from_keras_file",
     "optimizer_from_keras_file",
     "load_plan",
@@ -81,6 +82,11 @@ def load_model(path: str | None, *, preset: bool = False):
             return keras.models.load_model(path, compile=False)
     except Exception as e:
         raise UserError(f"cannot load model {path!r}: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
+
+
+def base_model(path: str, task: dict | None):
+    """The model fine-tuning started from: a ``.keras`` file, or a preset folder (``task``: what was built on it)."""
+    return base_from_preset(path, task) if is_preset(path) else load_model(path)
 
 
 def _saved_freezing_optimizer(path: str) -> dict | None:
