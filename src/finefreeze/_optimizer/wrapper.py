@@ -237,12 +237,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             self._enforcement.first_time("mask")
 
     def _refuse_nan(self, layout: Layout) -> None:
-        """Refuse a layout the inner optimizer would turn into NaN (see ``policy.refuse_nan``).
-
-        Raises:
-            PlanError: Keras' Adafactor with a partially frozen matrix that has a
-                fully frozen row and a fully frozen column.
-        """
+        """Refuse (``PlanError``) a layout the inner optimizer would turn into NaN (``policy.refuse_nan``)."""
         refuse_nan(self.inner_optimizer, layout)
 
     # -- changing the plan -------------------------------------------------------
