@@ -42,7 +42,7 @@ RANK = {room: i for i, row in enumerate(LAYERS) for room in row}
 #: function-local imports of our own modules, and why each is not at the top
 LOCAL_IMPORTS = {
     # imports TensorFlow's tf.compat.v1 pieces: only once TensorFlow is imported (a graph target is refused)
-    ("finefreeze._freezer.freezer", "finefreeze._tf1.target"),
+    ("finefreeze._freezer.base", "finefreeze._tf1.target"),
     # imports torch at its top: only once a step runs on PyTorch (the interface's modules are all imported
     # by its test, on every backend); a class made in the step instead would split a torch.compile'd one
     ("finefreeze._backends.torch", "finefreeze._backends.torch.autograd_function"),

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
+from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._errors import PlanError
 from finefreeze._keras.optimizers import forget_positions
 from finefreeze._kinds import STRATEGIES, State
@@ -29,7 +30,7 @@ from finefreeze._report.report import KERAS_WORDS, build_report, format_summary
 from finefreeze._resolve.resolve import Resolution, VarState, closest
 from finefreeze._slices.choose import slice_eligible, standin_of
 
-__all__ = ["FreezerBase", "as_plan"]
+__all__ = ["FreezerBase", "as_plan", "refuse_graph"]
 
 
 def as_plan(plan: Plan | list) -> Plan:
@@ -43,6 +44,25 @@ def as_plan(plan: Plan | list) -> Plan:
     if not isinstance(plan, Plan):
         raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
     return plan
+
+
+def refuse_graph(target: Any) -> None:
+    """Refuse a ``tf.compat.v1`` graph target: ``ff.tf1.Freezer`` freezes graph code.
+
+    Raises:
+        PlanError: ``target`` is a graph, a graph variable, or a list or
+            ``tf.Module`` of them.
+    """
+    if tensorflow_imported() is None:
+        return  # a graph exists only once TensorFlow is imported
+    from finefreeze._tf1.target import is_graph_target  # TensorFlow's v1 pieces: graph code only
+
+    if is_graph_target(target):
+        raise PlanError(
+            f"ff.Freezer takes Keras models, layers, tf.Module objects and variables; this {type(target).__name__} "
+            "holds tf.compat.v1 graph variables: use ff.tf1.Freezer(target, plan), which has var_list and "
+            "minimize (docs/tf1.md)."
+        )
 
 
 class FreezerBase(abc.ABC):

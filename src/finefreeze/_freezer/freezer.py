@@ -9,11 +9,10 @@ import keras
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.distribute import check_optimizer, check_scope, owner_scope
-from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._enforce.layout import Layout
 from finefreeze._errors import FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
-from finefreeze._freezer.base import FreezerBase, as_plan
+from finefreeze._freezer.base import FreezerBase, as_plan, refuse_graph
 from finefreeze._freezer.keras_flags import flag_changes, honour_flags, set_flags, warn_switched_off, warn_switched_on
 from finefreeze._freezer.reload import Resumable
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
@@ -394,22 +393,3 @@ class Freezer(Resumable, FreezerBase):
             ``{"path", "bytes", "tensors"}``.
         """
         return save_delta(self, path)
-
-
-def refuse_graph(target: Any) -> None:
-    """Refuse a ``tf.compat.v1`` graph target: ``ff.tf1.Freezer`` freezes graph code.
-
-    Raises:
-        PlanError: ``target`` is a graph, a graph variable, or a list or
-            ``tf.Module`` of them.
-    """
-    if tensorflow_imported() is None:
-        return  # a graph exists only once TensorFlow is imported
-    from finefreeze._tf1.target import is_graph_target  # TensorFlow's v1 pieces: graph code only
-
-    if is_graph_target(target):
-        raise PlanError(
-            f"ff.Freezer takes Keras models, layers, tf.Module objects and variables; this {type(target).__name__} "
-            "holds tf.compat.v1 graph variables: use ff.tf1.Freezer(target, plan), which has var_list and "
-            "minimize (docs/tf1.md)."
-        )

@@ -205,7 +205,7 @@ class Freezer(FreezerBase):
             >>> import numpy as np, tensorflow as tf, finefreeze as ff
             >>> with tf.Graph().as_default() as g:
             ...     x = tf.compat.v1.get_variable("x", initializer=tf.ones((2, 2)))
-            ...     frz = ff.Freezer(g, [ff.freeze("x"), ff.train("x", indices=[(0, 0), (1, 1)])])
+            ...     frz = ff.tf1.Freezer(g, [ff.freeze("x"), ff.train("x", indices=[(0, 0), (1, 1)])])
             ...     op = frz.minimize(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), tf.reduce_sum(x * x))
             ...     with tf.compat.v1.Session() as sess:
             ...         sess.run(tf.compat.v1.global_variables_initializer())
@@ -249,7 +249,7 @@ class Freezer(FreezerBase):
             >>> import tensorflow as tf, finefreeze as ff
             >>> with tf.Graph().as_default() as g:
             ...     w = tf.compat.v1.get_variable("w", initializer=tf.ones((3,)))
-            ...     frz = ff.Freezer(g, [ff.freeze("w[0]")])
+            ...     frz = ff.tf1.Freezer(g, [ff.freeze("w[0]")])
             ...     opt = tf.compat.v1.train.AdamOptimizer(0.1)
             ...     grads = opt.compute_gradients(tf.reduce_sum(w * w), var_list=frz.var_list)
             ...     clipped = [(tf.clip_by_norm(g, 1.0), v) for g, v in grads]

@@ -72,7 +72,7 @@ def _by_fit(frz, var_list) -> bool:
 
     A custom loop may hand every variable, frozen ones included (they are skipped).
     """
-    model = getattr(getattr(frz, "target", None), "obj", None)
+    model = getattr(getattr(frz, "_target", None), "obj", None)
     trainable = getattr(model, "trainable_variables", None) if hasattr(model, "make_train_function") else None
     return trainable is not None and {id(v) for v in var_list} == {id(v) for v in trainable}
 

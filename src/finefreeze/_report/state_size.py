@@ -59,7 +59,7 @@ def optimizer_state(frz) -> tuple[str, int | None]:
         ('AdamW state', 2)
     """
     opts = frz._optimizers()
-    compiled = getattr(getattr(getattr(frz, "target", None), "obj", None), "optimizer", None)
+    compiled = getattr(getattr(getattr(frz, "_target", None), "obj", None), "optimizer", None)
     while compiled is not None and compiled not in opts:
         compiled = getattr(compiled, "inner_optimizer", None)  # through a LossScaleOptimizer
     if compiled is not None:
