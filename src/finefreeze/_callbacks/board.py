@@ -28,8 +28,10 @@ class FreezeBoard(keras.callbacks.Callback):
     every variable). Every ``update_freq`` batches it writes the norm of the
     loss gradient on trainable elements (``grad_norm/trainable``) and on
     frozen elements of partially frozen variables (``grad_norm/frozen``: what
-    the plan blocked), at the
-    optimizer's step.
+    the plan blocked, where the step computes it: a kernel whose trained
+    slice or elements get their own gradient computes none for its frozen
+    part), at the optimizer's step. The board observes: training gives the
+    same bits with it and without it.
 
     The event files are the ones ``tf.summary`` writes, written by the
     ``tensorboard`` package itself on every Keras backend: FreezeBoard never
