@@ -18,7 +18,7 @@ import pytest
 from keras import ops
 
 import finefreeze as ff
-from backend_utils import COMPILED, MODES, gradients, train_step
+from backend_utils import COMPILED, MODES, gradients, strategy_of, train_step
 from optimizers import OPTIMIZERS, WRAPPERS
 
 WARM, STEPS = 3, 4
@@ -123,7 +123,7 @@ def test_frozen_elements_bit_identical_after_a_warm_phase(name, strategy, mode):
     assert np.array_equal(w[MASK], at_freeze[0][MASK])  # partially frozen: bit-identical
     assert np.array_equal(v, at_freeze[2])  # fully frozen: bit-identical
     frz.verify()
-    assert frz._strategy_for("w") == strategy
+    assert strategy_of(frz, "w") == strategy
     # fully frozen variables never reach the inner optimizer: no state for them after the change
     slot_names = [var.path.rsplit("/", 1)[-1] for var in opt.inner_optimizer.variables]
     assert not any(n.startswith("v_") for n in slot_names), slot_names

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import finefreeze as ff
+from backend_utils import strategy_of
 
 pytestmark = pytest.mark.backends("tensorflow", reason="tf.compat.v1 graph code")
 
@@ -284,7 +285,7 @@ def test_var_list_summary_masks_plot_and_where_through_a_session(tmp_path):
     assert type(frz) is ff.tf1.Freezer
     assert frz.var_list == [enc]
     assert np.array_equal(frz.frozen_mask("enc/w"), W0 > 0)
-    assert frz.variable_state("head/w") == "frozen" and frz._strategy_for("enc/w") == "restore"
+    assert frz.variable_state("head/w") == "frozen" and strategy_of(frz, "enc/w") == "restore"
     text = frz.summary()
     assert "enc/w" in text and "partial" in text and "counter" not in text  # only TRAINABLE_VARIABLES
     assert "1: freeze('enc/w', where=<lambda>)" in text  # the numbered plan

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, gradients, weights_of
+from backend_utils import BACKEND, gradients, strategy_of, weights_of
 from finefreeze._backends.variables import unravel
 from finefreeze._enforce.policy import choose_kind as _kind
 from finefreeze._enforce.policy import index_dtype
@@ -109,7 +109,7 @@ def test_auto_never_hands_a_flat_vector_to_a_non_elementwise_optimizer(name):
     frz = ff.Freezer([w], ff.Plan([ff.freeze("w"), ff.train("w[:, 0]")]))
     opt = frz.wrap(getattr(keras.optimizers, name)(0.01))
     assert opt._layout.by_path("w").kind == "restore"
-    assert frz._strategy_for("w") == "restore"
+    assert strategy_of(frz, "w") == "restore"
     adam = ff.Freezer([w], ff.Plan([ff.freeze("w"), ff.train("w[0, 0]")])).wrap(keras.optimizers.Adam())
     assert adam._layout.by_path("w").kind == "compact"
 
@@ -189,9 +189,9 @@ def test_compact_needs_int64_indices_where_the_backend_has_them():
 def test_summary_and_report_show_the_wrapped_strategy():
     w = keras.Variable(np.ones((10, 10), "float32"), name="w")
     frz = ff.Freezer([w], ff.Plan([ff.freeze("w"), ff.train("w[0, 0]")]))
-    assert frz._strategy_for("w") == "compact"  # before wrap: what auto gives an elementwise optimizer
+    assert strategy_of(frz, "w") == "compact"  # before wrap: what auto gives an elementwise optimizer
     opt = frz.wrap(keras.optimizers.Adam(), strategy="restore")
-    assert frz._strategy_for("w") == "restore" == opt._layout.by_path("w").kind
+    assert strategy_of(frz, "w") == "restore" == opt._layout.by_path("w").kind
     row = next(v for v in frz.report()["variables"] if v["path"] == "w")
     assert row["strategy"] == "restore"
     assert "restore" in frz.summary()
@@ -342,7 +342,7 @@ def test_compact_decays_exactly_like_its_variable(exclusion, w_decays):
             inner.exclude_from_weight_decay(var_names=exclusion)
         for _ in range(3):
             opt.apply_gradients([(keras.ops.zeros((10, 10)), w), (keras.ops.ones((3,)), u)])
-        assert frz._strategy_for("w") == strategy
+        assert strategy_of(frz, "w") == strategy
         out[strategy] = (w.numpy().copy(), u.numpy().copy())
     untouched = np.array_equal(out["compact"][0], np.ones((10, 10), "float32"))
     assert untouched != w_decays  # a zero gradient: only weight decay can move w
@@ -404,7 +404,7 @@ def test_float16_moments_nan_from_zero_gradients_stays_out(strategy):
     opt = frz.wrap(keras.optimizers.Adam(0.01, epsilon=1e-8))
     for _ in range(3):
         opt.apply_gradients([(keras.ops.ones((50, 4), "float16"), w)])
-    assert frz._strategy_for("w") == strategy
+    assert strategy_of(frz, "w") == strategy
     assert np.array_equal(w.numpy()[1:], np.ones((49, 4), "float16"))  # frozen: bit-identical, no NaN
     assert np.isfinite(w.numpy()[0]).all() and (w.numpy()[0] < 1).all()
     frz.verify()
@@ -432,7 +432,7 @@ def test_auto_keeps_the_sparse_path_of_embeddings():
         frz = ff.Freezer(m, ff.Plan([ff.freeze(f"emb/embeddings[:{vocab - 2}]")]), gradients="dense")
         m.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01), strategy=strategy), loss="mse")
         m.fit(x, y, batch_size=8, verbose=0, shuffle=False)
-        return frz._strategy_for("emb/embeddings"), m.get_layer("emb").embeddings.numpy()
+        return strategy_of(frz, "emb/embeddings"), m.get_layer("emb").embeddings.numpy()
 
     (auto_kind, auto), (_, restore) = run("auto"), run("restore")
     assert auto_kind == "compact"
@@ -478,7 +478,7 @@ def test_the_compiled_optimizer_is_what_the_summary_shows():
     spare = frz.wrap(keras.optimizers.SGD(1e-3), strategy="restore")  # made later, never compiled
     m.compile(optimizer=opt, loss="mse")
     m.fit(np.random.rand(8, 50), np.random.rand(8, 3), verbose=0)
-    assert frz._strategy_for("m/d1/kernel") == "compact" == opt._layout.by_path("m/d1/kernel").kind
+    assert strategy_of(frz, "m/d1/kernel") == "compact" == opt._layout.by_path("m/d1/kernel").kind
     assert spare._layout.by_path("m/d1/kernel").kind == "restore"
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
+from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, strategy_of, weights_of
 from finefreeze._resolve.standins import kernel_of
 from finefreeze._slices.choose import MARK, kernel_slice
 
@@ -99,7 +99,7 @@ def test_sliced_kernels_train_as_the_dense_path_does(kind, mode):
     m, frz, before = fit(plan(kind), **FIT_MODES[mode])
     sliced = [layer.name for layer in m.layers if MARK in layer.__dict__]
     assert sliced == ["d", "q", "c1", "c2", "head"]
-    assert {frz._strategy_for(f"{n}/kernel") for n in sliced} == {"compact"}  # state for the slice only
+    assert {strategy_of(frz, f"{n}/kernel") for n in sliced} == {"compact"}  # state for the slice only
     ref, _, _ = fit(plan(kind), gradients="dense", **FIT_MODES[mode])
     assert not any(MARK in layer.__dict__ for layer in ref.layers)
     for v, r in zip(weights_of(m), weights_of(ref)):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import weights_of
+from backend_utils import strategy_of, weights_of
 from finefreeze._slices.choose import MARK, kernel_slice, pays
 
 BACKEND = keras.backend.backend()
@@ -235,7 +235,7 @@ def test_a_run_that_held_a_kernel_dense_resumes_from_its_checkpoint_bit_for_bit(
     _job(tmp_path / "run", crash=True)
     resumed, frz = _job(tmp_path / "run", crash=False)  # the same script again, in a fresh model
     assert frz._held_dense == ["big/kernel"] and sliced_layers(resumed) == []
-    assert frz._strategy_for("big/kernel") == "compact"
+    assert strategy_of(frz, "big/kernel") == "compact"
     frz.verify()
     for a, b in zip(weights_of(resumed), weights_of(plain)):
         assert np.array_equal(numpy(a), numpy(b)), a.path

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
+from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, strategy_of, weights_of
 from finefreeze._slices.choose import MARK
 
 BOUND = 2e-5  # of the variable's largest value, as in test_slices.py
@@ -70,7 +70,7 @@ CASES = [("range", m) for m in range(len(FIT_MODES))] + [("index list", 1)]
 @pytest.mark.parametrize("rows, mode", CASES, ids=[f"{r}-{FIT_MODES[m] or 'default'}" for r, m in CASES])
 def test_new_rows_train_as_the_dense_path_does(rows, mode):
     m, frz = fit(TRAINED[rows], **FIT_MODES[mode])
-    assert sliced_here(m.get_layer("tok")) and frz._strategy_for("tok/embeddings") == "compact"
+    assert sliced_here(m.get_layer("tok")) and strategy_of(frz, "tok/embeddings") == "compact"
     ref, _ = fit(TRAINED[rows], gradients="dense", **FIT_MODES[mode])
     # TensorFlow reads the table sparsely on the dense path too (the same gradient); elsewhere it is Keras' call
     assert (MARK in ref.get_layer("tok").__dict__) is (BACKEND == "tensorflow")
