@@ -46,6 +46,7 @@ def data(n=16, seed=1):
     return rng.normal(size=(n, 3)).astype("float32"), rng.normal(size=(n, 2)).astype("float32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact", "mask"])
 def test_tags_text_fractions_images_and_norms_read_back(tmp_path, strategy):
     from finefreeze._data.text_model import DEFAULT_PLAN, build_text_model, make_data

@@ -69,6 +69,7 @@ def flip_bit(src, dst, shape, index):
             z.writestr(name, data)
 
 
+@pytest.mark.slow
 def test_apply_writes_rebuilt_keras_beside_the_delta_says_so_and_it_verifies(run, elsewhere, capsys):
     out = run / "rebuilt.keras"
     try:

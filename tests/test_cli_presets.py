@@ -172,6 +172,7 @@ def test_a_preset_without_keras_hub_names_the_extra(preset, monkeypatch, capsys)
     assert "pip install 'finefreeze[hub]'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_text_with_a_byte_order_mark_reads_as_text(preset, tmp_path, capsys):
     data = tmp_path / "bom.csv"
     data.write_bytes(b"\xef\xbb\xbf" + (preset / "texts.csv").read_bytes())  # Excel's "CSV UTF-8"

@@ -207,6 +207,7 @@ def block_data(n=32):
     return np.random.default_rng(0).normal(size=(n, 8)), np.random.default_rng(1).normal(size=(n, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spe", SPE)
 def test_gradual_unfreezing_releases_exactly_the_top_groups(spe):
     model, frz = head_only(keras.optimizers.AdamW(0.01), seed=11, steps_per_execution=spe)

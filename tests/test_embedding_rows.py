@@ -73,6 +73,7 @@ def test_compact_new_rows_train_as_restore_does_bit_for_bit(name, jit, gradients
         assert np.array_equal(a.numpy(), b.numpy()), a.path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
 def test_rows_held_dense_after_a_recurring_change_train_as_restore_does_bit_for_bit(name):
     """Rows whose slice moved under ``often=True`` take the table's IndexedSlices, found by rows (``take_sparse``)."""
@@ -209,6 +210,7 @@ def _mirrored_fit(**freezer_kw):
     return [w.numpy() for w in weights_of(m)]
 
 
+@pytest.mark.slow
 def test_under_mirrored_strategy_sliced_rows_train_as_the_dense_path():
     """A block of whole rows under MirroredStrategy: read by rows and scattered by rows on every replica."""
     sliced, dense = _mirrored_fit(gradients="sliced"), _mirrored_fit(gradients="dense")
@@ -216,6 +218,7 @@ def test_under_mirrored_strategy_sliced_rows_train_as_the_dense_path():
         assert float(np.abs(a - b).max()) <= 2e-5 * float(np.abs(b).max())
 
 
+@pytest.mark.slow
 def test_under_mirrored_strategy_compact_equals_restore():
     for a, b in zip(_mirrored_fit(strategy="compact"), _mirrored_fit(strategy="restore")):
         assert np.array_equal(a, b)

@@ -92,6 +92,7 @@ def test_a_model_file_saves_its_layout_as_format_1_and_loads_it(tmp_path):
     ],
     ids=["newer", "older", "no-version", "no-variables", "no-kind"],
 )
+@pytest.mark.slow
 def test_a_model_file_whose_layout_has_another_format_is_refused(tmp_path, change, found):
     model, path = saved_model(tmp_path)
     other = with_layout(path, tmp_path / "other.keras", change)
@@ -128,6 +129,7 @@ def with_record(path, change):
     ],
     ids=["newer", "no-version", "no-slots", "layout-newer"],
 )
+@pytest.mark.slow
 def test_a_checkpoint_whose_record_has_another_format_is_refused_and_nothing_changes(tmp_path, change, found):
     model, frz = build()
     model.fit(X, Y, epochs=1, verbose=0)

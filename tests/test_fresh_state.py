@@ -104,6 +104,7 @@ def released_run(make, plan_before, plan_after, strategy="auto", step_count="rel
     ],
     ids=["Adam", "AdamW", "Adamax", "Lamb", "Adafactor", "Nadam", "ScheduleFreeAdamW"],
 )
+@pytest.mark.slow
 def test_a_released_layer_moves_as_under_a_fresh_optimizer(make):
     m, frz, opt, at_release = released_run(make, ff.Plan([ff.freeze("**/a/**")]), ff.Plan([]))
     a = weights_of(m)[:2]
@@ -182,6 +183,7 @@ def test_a_second_release_into_a_counted_kernel_is_written_in_place():
     assert same(raw(weights_of(m)[0])[:, 2:3], released, MIXED_AGES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["Adam", "Nadam"])
 def test_release_steps_survive_a_checkpoint(tmp_path, name):
     make = lambda: getattr(keras.optimizers, name)(0.05)  # noqa: E731

@@ -107,6 +107,7 @@ def _reference(name):
             return sess.run([w, b])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_every_v1_optimizer_is_exact_after_a_warm_phase(name):
     frz, (w1, b1, c1), (w2, b2, c2, step) = _ours(name)

@@ -33,6 +33,7 @@ def test_a_frozen_backbone_is_switched_off_the_keras_way():
     )
 
 
+@pytest.mark.slow
 def test_unfreezing_the_backbone_with_keras_is_honoured_and_equals_plain_keras():
     model, base = nested()
     ref, ref_base = nested()

@@ -57,6 +57,7 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 PLAN = ff.Plan([ff.freeze("**"), ff.train(f"**/token_embedding/embeddings[{len(VOCAB)}:]"), ff.train("**/logits/**")])
 
 
+@pytest.mark.slow
 def test_new_token_rows_and_the_head_train_on_raw_strings_as_plain_keras_would():
     model = classifier(VOCAB + NEW)
     before = values(model)
@@ -180,6 +181,7 @@ def test_lora_adapters_and_selected_base_elements_train_together_on_a_backbone()
             assert not np.array_equal(after[path], before[path]), path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma", "llama"])
 def test_a_causal_lm_backbone_from_a_small_config(family, tmp_path):
     keras.utils.set_random_seed(5)

@@ -393,6 +393,7 @@ def test_backend_questions_only_in_backends():
     assert _backend_questions() == []
 
 
+@pytest.mark.slow
 def test_the_seam_checks_catch_what_they_guard(monkeypatch, tmp_path):
     """Each check fails on a violation planted in a module outside its room."""
     bad = tmp_path / "bad.py"

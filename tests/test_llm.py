@@ -37,6 +37,7 @@ def gemma(seed=0):
     return keras.Model(backbone.input, logits, name="lm")
 
 
+@pytest.mark.slow
 def test_fisher_selection_runs_on_every_backend_and_auto_chooses_a_way_that_works():
     """``per_example="auto"`` equals the loop bit for bit where it takes the loop (TensorFlow: attention's softmax)."""
     auto = ff.select(gemma(), (X, Y), budget=0.01, loss=LOSS, batch_size=4, options={"verbose": 0})

@@ -282,6 +282,7 @@ def straight_run():
     return seen, snapshot(model)
 
 
+@pytest.mark.slow
 def test_gradual_unfreezing_resumes_from_load_model(tmp_path):
     straight, straight_weights = straight_run()
     resumed = {}
@@ -300,6 +301,7 @@ def test_gradual_unfreezing_resumes_from_load_model(tmp_path):
     assert all(np.array_equal(end["/".join(k.split("/")[-2:])], v) for k, v in straight_weights.items())
 
 
+@pytest.mark.slow
 def test_gradual_unfreezing_resumes_under_backup_and_restore(tmp_path):
     straight, _ = straight_run()
 

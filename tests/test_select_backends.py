@@ -143,6 +143,7 @@ def test_fisher_is_numpy_summed_squared_per_example_gradients(microbatch, per_ex
     same(chosen(m, plan), ref_top_k(ref, 9))
 
 
+@pytest.mark.slow
 def test_gradient_is_numpy_summed_absolute_batch_gradients_from_an_iterable():
     m = net()
     x, y = data()
@@ -219,6 +220,7 @@ def test_include_and_exclude_follow_the_numpy_scores():
         assert np.array_equal(got[i], want[i]), PATHS[i]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 def test_the_selected_plan_trains_in_fit_and_frozen_elements_stay_bit_identical(strategy):
     m = net()
@@ -260,6 +262,7 @@ class Checker(keras.callbacks.Callback):
             assert np.array_equal(self.values[-1][p][fm], now[p][fm]), p
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 def test_reselect_inside_fit_swaps_least_moved_for_largest_gradient_and_keeps_frozen_elements_exact(strategy):
     m = net()
@@ -429,6 +432,7 @@ for score in ("fisher", "gradient", "delta"):
 """
 
 
+@pytest.mark.slow
 def test_a_backend_that_takes_no_gradients_is_a_plan_error():
     env = dict(
         os.environ,

@@ -114,6 +114,7 @@ def test_a_bad_budget_is_a_plan_error_that_states_the_rule_and_changes_nothing(b
     assert all(np.array_equal(before[p], after[p]) for p in before)
 
 
+@pytest.mark.slow
 def test_options_default_to_what_they_say():
     m = wide()
     x, y = np.random.default_rng(0).normal(size=(16, 5)), np.random.default_rng(1).integers(0, 4, 16)

@@ -94,6 +94,7 @@ def fit(p, gradients="sliced", epochs=2, seed=3, **compile_kw):
 CASES = [("columns, heads, output channels", m) for m in range(len(FIT_MODES))] + [("rows, input channels", 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, mode", CASES, ids=[f"{k.split(',')[0]}-{FIT_MODES[m] or 'default'}" for k, m in CASES])
 def test_sliced_kernels_train_as_the_dense_path_does(kind, mode):
     m, frz, before = fit(plan(kind), **FIT_MODES[mode])
@@ -303,6 +304,7 @@ def test_once_the_freezer_is_gone_the_layers_compute_dense_gradients():
     assert np.count_nonzero(g[:, :3]) > 0  # outside the slice it trained: the plain gradient again
 
 
+@pytest.mark.slow
 def test_mixed_precision_slices_train_as_the_dense_path_does():
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -473,6 +475,7 @@ def test_a_sliced_step_names_no_keras_operation_so_torch_compile_compiles_it_onc
         assert names() == before, (case, {k: v for k, v in names().items() if before.get(k) != v})
 
 
+@pytest.mark.slow
 def test_the_optimizer_keeps_its_freezer_and_the_stand_ins_go_with_both():
     """``compile(optimizer=ff.Freezer(...).wrap(...))``, no reference kept, trains on the stand-ins.
 

@@ -111,6 +111,7 @@ def test_what_pays_is_the_measured_table():
     assert not any(pays(kernel_slice(small, small.kernel, frozen), b) for b in ("tensorflow", "jax", "torch"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partial", ["big", "small"])
 def test_auto_trains_as_the_sliced_path_where_it_slices_and_as_the_dense_path_elsewhere(partial):
     plan = ff.Plan([ff.freeze(f"**/{partial}/kernel"), ff.train(f"**/{partial}/kernel[:, :2]")])

@@ -198,6 +198,7 @@ def test_a_custom_loop_with_clipping_takes_the_rows_gradient_with_either_strateg
         close(a, b, strategy)
 
 
+@pytest.mark.slow
 def test_mixed_precision_rows_train_as_the_dense_path_does():
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -300,6 +301,7 @@ def test_negative_ids_count_from_the_end_as_keras_take_does():
     close(got["sliced"], got["dense"], "table")
 
 
+@pytest.mark.slow
 def test_a_loss_scale_optimizer_around_the_wrapper_gets_gradients_it_can_check():
     """Keras' LossScaleOptimizer checks every gradient densely: PyTorch's rows then arrive dense."""
     got = {}

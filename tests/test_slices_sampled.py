@@ -116,6 +116,7 @@ def test_auto_samples_where_the_backend_measured_it_cheaper():
     assert gradient_kind(frz, "d/kernel") == expected
 
 
+@pytest.mark.slow
 def test_the_full_weight_gradient_is_never_computed():
     """No product of the kernel's size: a check that fails when the dense path is taken (``gradients="dense"``)."""
     layer = keras.layers.Dense(N, use_bias=False)

@@ -187,6 +187,7 @@ def test_model_variables_do_not_leak_into_optimizer_variables():
     assert sum(int(np.prod(v.shape)) for v in opt._variables if v.dtype == "float32") == 1  # learning rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision(policy):
     keras.config.set_dtype_policy(policy)
