@@ -52,13 +52,20 @@ def elsewhere(tmp_path, monkeypatch):
 
 def flip_bit(src, dst, shape, index):
     """Copy the ``.keras`` file ``src`` to ``dst`` with the lowest bit of one float32 flipped: the element at
-    ``index`` of the only variable of ``shape``; its config (and the plan in it) as it was."""
+    ``index`` of the only model variable of ``shape`` (the optimizer's state is not looked at); its config (and
+    the plan in it) as it was."""
     with zipfile.ZipFile(src) as z:
         files = {n: z.read(n) for n in z.namelist()}
     buf = io.BytesIO(files["model.weights.h5"])
     with h5py.File(buf, "r+") as f:
         found = []
-        f.visititems(lambda name, o: found.append(name) if isinstance(o, h5py.Dataset) and o.shape == shape else None)
+        f.visititems(
+            lambda name, o: (
+                found.append(name)
+                if isinstance(o, h5py.Dataset) and o.shape == shape and not name.startswith("optimizer/")
+                else None
+            )
+        )
         assert len(found) == 1, found
         values = f[found[0]][...]
         values.view(np.uint32)[index] ^= 1
@@ -226,3 +233,29 @@ def test_a_recorded_plan_that_trains_more_on_the_whole_model_gives_way_to_the_de
     flip_bit(out, tmp_path / "bad.keras", (32, 64), (3, 5))
     assert main(["verify", str(run / "base.keras"), str(tmp_path / "bad.keras")]) == 1
     assert "ff_in/kernel: 1 frozen element(s) differ at (3, 5)" in capsys.readouterr().out
+
+
+def test_a_delta_of_a_live_sequential_applies_to_its_saved_base_and_verifies(tmp_path):
+    """A loaded Sequential names its variables without the model's name; apply binds the delta as load_delta does."""
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, name="backbone"), keras.layers.Dense(2, name="head")], name="mlp"
+    )
+    m.save(tmp_path / "base.keras")
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train("**/head/**"), ff.train("**/backbone/kernel[:, :4]")]))
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.fit(np.random.rand(32, 8), np.random.rand(32, 2), epochs=1, verbose=0)
+    frz.save_delta(tmp_path / "d.safetensors")
+    assert main(["delta", "apply", str(tmp_path / "base.keras"), str(tmp_path / "d.safetensors")]) == 0
+    assert main(["verify", str(tmp_path / "base.keras"), str(tmp_path / "rebuilt.keras")]) == 0
+    rebuilt = load(tmp_path / "rebuilt.keras")
+    for a, b in zip(weights_of(rebuilt), weights_of(m)):
+        assert np.array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)), a.path
+
+
+def test_apply_refuses_an_output_that_is_not_a_keras_file(run, tmp_path, capsys):
+    code = main(
+        ["delta", "apply", str(run / "base.keras"), str(run / "delta.safetensors"), "-o", str(tmp_path / "x.h5")]
+    )
+    assert code == 2 and not (tmp_path / "x.h5").exists()
+    one_error_line(capsys.readouterr().err, "give a name ending in .keras")

@@ -39,6 +39,8 @@ def test_every_public_name_is_the_object_its_private_module_defines():
     import inspect
 
     for name in ff.__all__:
+        if name == "tf1" and keras.backend.backend() != "tensorflow":
+            continue  # graph code imports TensorFlow: tested on its backend
         obj = getattr(ff, name)
         if inspect.ismodule(obj):
             assert obj.__name__ == f"finefreeze.{name}" and obj.__all__, name
@@ -117,3 +119,14 @@ def test_saved_files_load_with_import_finefreeze_alone(tmp_path):
         proc = python(code)
         assert proc.returncode == 0, (order, proc.stderr[-2000:])
         assert proc.stdout.split() == ["finefreeze._data.layers", "FreezingOptimizer"], proc.stdout
+
+
+@pytest.mark.backends("jax", "torch", reason="TensorFlow may be missing only where Keras runs on another backend")
+def test_graph_code_without_tensorflow_says_how_to_install_it():
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"ff\.tf1 .* needs TensorFlow: pip install 'finefreeze\[tensorflow\]'"):
+            ff.tf1  # noqa: B018
+    else:  # installed here: graph code works beside another backend
+        assert ff.tf1.Freezer.__module__ == "finefreeze._freezer.graph"

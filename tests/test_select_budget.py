@@ -43,7 +43,7 @@ def test_the_signature_is_the_parameters_a_user_sets():
 def test_a_fraction_its_percent_and_its_count_choose_the_same_elements(fraction, percent, k):
     m = wide()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning for any of them
+        warnings.simplefilter("error", ff.FreezeWarning)  # no warning of finefreeze's for any of them
         a = chosen(m, ff.select(m, budget=fraction, score="random"))
         b = chosen(m, ff.select(m, budget=percent, score="random"))
     assert count(a) == k == max(1, int(np.floor(fraction * N + 0.5)))
@@ -66,6 +66,7 @@ def test_a_count_that_looks_like_a_percent_counts_elements_and_says_how_to_write
     with pytest.warns(ff.FreezeWarning) as said:
         plan = ff.select(m, budget=budget, score="random")
     assert count(chosen(m, plan)) == budget
+    said = [w for w in said if issubclass(w.category, ff.FreezeWarning)]  # a backend may add its own
     assert len(said) == 1
     message = str(said[0].message)
     assert f"budget={budget} is a count: it selects {budget} of the {N:,} candidate elements" in message
@@ -76,7 +77,7 @@ def test_a_count_that_looks_like_a_percent_counts_elements_and_says_how_to_write
 def test_a_count_above_100_is_said_nothing_about():
     m = wide()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", ff.FreezeWarning)
         assert count(chosen(m, ff.select(m, budget=101, score="random"))) == 101
 
 

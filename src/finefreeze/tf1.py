@@ -16,6 +16,13 @@ Example:
     'partial'
 """
 
-from finefreeze._freezer.graph import Freezer as Freezer
+try:
+    import tensorflow  # noqa: F401  (graph code is TensorFlow's)
+except ImportError as e:
+    raise ImportError(
+        "ff.tf1 freezes tf.compat.v1 graph code and needs TensorFlow: pip install 'finefreeze[tensorflow]'"
+    ) from e
+
+from finefreeze._freezer.graph import Freezer as Freezer  # noqa: E402
 
 __all__ = ["Freezer"]

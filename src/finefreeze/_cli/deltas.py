@@ -47,6 +47,8 @@ def cmd_delta_export(args) -> int:
 
 def cmd_delta_apply(args) -> int:
     out = args.out if args.out is not None else _beside(args.delta[0], REBUILT)
+    if not str(out).endswith(".keras"):
+        raise UserError(f"-o/--out {out!r}: delta apply writes a Keras model file; give a name ending in .keras")
     check_model_file(args.base, preset=True)
     refuse_overwrite([out], [args.base, *args.delta], "delta apply")
     for d in args.delta:
@@ -76,9 +78,11 @@ def cmd_delta_apply(args) -> int:
         except (DeltaError, WriteFailed) as e:
             raise UserError(str(e)) from None
         recorded = deltafile.read_json(args.delta[0], "plan") if len(args.delta) == 1 else None
-        frz = freezer_of_deltas(model, entries, recorded)
+        at = {id(b.entry): b.variable.path for b in bound}  # the model's own paths (a loaded Sequential drops its name)
+        frz = freezer_of_deltas(model, {at.get(id(e), p): e for p, e in entries.items()}, recorded)
         # the delta does not say which optimizer trained it: Keras' Adam, for whoever trains OUT further
         model.compile(optimizer=frz.wrap(keras.optimizers.Adam()))
+        model.optimizer.build(model.trainable_variables)  # its state saved with it: the file loads without warnings
         model.save(tmp)
     n = sum(b.entry.elements for b in bound)
     print(

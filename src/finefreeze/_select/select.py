@@ -8,6 +8,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import PlanError
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
@@ -221,7 +222,7 @@ def select(
         scores = _data_scores(model, cand, data, run)
     else:
         rng = np.random.default_rng(opts["seed"])
-        scores = [static_score(score, np.asarray(vi.variable.numpy()), largest=opts["largest"], rng=rng) for vi in cand]
+        scores = [static_score(score, to_numpy(vi.variable), largest=opts["largest"], rng=rng) for vi in cand]
     for vi, s in zip(cand, scores):
         if np.isnan(s).any():
             raise PlanError(
