@@ -259,3 +259,18 @@ def test_apply_refuses_an_output_that_is_not_a_keras_file(run, tmp_path, capsys)
     )
     assert code == 2 and not (tmp_path / "x.h5").exists()
     one_error_line(capsys.readouterr().err, "give a name ending in .keras")
+
+
+def test_a_damaged_config_is_said_to_be_damaged_not_to_hold_no_plan(run, tmp_path, capsys):
+    with zipfile.ZipFile(run / "tuned.keras") as z:
+        info = z.getinfo("config.json")
+    raw_bytes = bytearray((run / "tuned.keras").read_bytes())
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)  # the file's data
+    raw_bytes[start + info.compress_size // 2] ^= 0x01
+    bad = tmp_path / "bad.keras"
+    bad.write_bytes(bytes(raw_bytes))
+    for argv in (["verify", str(run / "base.keras"), str(bad)], ["inspect", str(bad)]):
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        one_error_line(err, "is damaged: its config.json does not read")
+        assert "no finefreeze plan" not in out + err

@@ -196,9 +196,25 @@ class GradualUnfreezing(_PlanCallback):
         return tuple(out)
 
     def stage_plan(self, k: int) -> Plan:
-        """The plan with the first ``k`` groups released."""
+        """The plan with the first ``k`` groups released (``0 <= k <= len(groups)``).
+
+        Raises:
+            PlanError: ``k`` out of range, or no plan to start from yet (before
+                ``fit`` without ``freezer=``).
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(self.groups):
+            raise PlanError(f"GradualUnfreezing.stage_plan({k!r}): give 0 to {len(self.groups)} (the groups released).")
+        base = self._base
+        if base is None:
+            frz = self._freezer if self._freezer is not None else getattr(self, "freezer", None)
+            if frz is None:
+                raise PlanError(
+                    "GradualUnfreezing.stage_plan: the plan it starts from is the Freezer's; give freezer= or "
+                    "call it once fit has started."
+                )
+            base = self._strip_groups(frz.plan)
         rules = [r for g in self.groups[:k] for r in g]
-        return Plan([*self._base.rules, *rules], strict=self._base.strict, batchnorm=self._base.batchnorm)
+        return Plan([*base.rules, *rules], strict=base.strict, batchnorm=base.batchnorm)
 
     def _strip_groups(self, plan: Plan) -> Plan:
         """The plan before any group was released: ``plan`` less a released stage's rules at its end.

@@ -11,6 +11,7 @@ import json
 import os
 import warnings
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -94,8 +95,10 @@ def _saved_freezing_optimizer(path: str) -> dict | None:
     try:
         with zipfile.ZipFile(path) as z:
             config = json.loads(z.read("config.json"))
-    except (OSError, KeyError, zipfile.BadZipFile, ValueError):
+    except (OSError, KeyError):
         return None
+    except (zipfile.BadZipFile, zlib.error, ValueError) as e:  # a checksum or JSON that does not read: damaged
+        raise UserError(f"{path!r} is damaged: its config.json does not read ({type(e).__name__}: {e})") from None
     opt = (config.get("compile_config") or {}).get("optimizer")
     while isinstance(opt, dict):
         if opt.get("class_name") == "FreezingOptimizer":
