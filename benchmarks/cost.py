@@ -135,7 +135,11 @@ def main():
         state = sum(int(np.prod(v.shape)) for v in opt.variables) - 1  # without the step count
         table = np.asarray(keras.ops.convert_to_numpy(variants[name].get_layer("token_embedding").embeddings))
         kept = np.array_equal(table[: a.vocab - a.rows], before[: a.vocab - a.rows])
-        kind = frz.strategy_for("token_embedding/embeddings") if frz is not None else "plain Keras"
+        kind = (
+            next(v["strategy"] for v in frz.report()["variables"] if v["path"].endswith("token_embedding/embeddings"))
+            if frz is not None
+            else "plain Keras"
+        )
         kind = f"{kind} (sliced)" if name == "sliced" else kind
         print(
             f"| {name} | {kind} | {statistics.median(r):.2f} ({min(r):.2f}–{max(r):.2f}) | "

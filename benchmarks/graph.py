@@ -95,7 +95,7 @@ def layers_by_var_list(v, opt, loss):
 
 def layers_by_plan(v, opt, loss):
     last = len(v.params) // 2 - 1
-    frz = ff.Freezer(v.graph, ff.Plan([ff.freeze("**"), ff.train(f"layer_{last}/**")]))
+    frz = ff.tf1.Freezer(v.graph, ff.Plan([ff.freeze("**"), ff.train(f"layer_{last}/**")]))
     v.frozen = {p: np.ones(p.shape, bool) for p in v.params[:-2]}
     return frz.minimize(opt, loss), 0
 
@@ -103,7 +103,7 @@ def layers_by_plan(v, opt, loss):
 def half_by_plan(v, opt, loss):
     v.frozen = _half_masks(v)
     rules = [ff.freeze(k, mask=m) for k, m in v.frozen.items()]
-    return ff.Freezer(v.graph, ff.Plan(rules)).minimize(opt, loss), sum(m.size for m in v.frozen.values())
+    return ff.tf1.Freezer(v.graph, ff.Plan(rules)).minimize(opt, loss), sum(m.size for m in v.frozen.values())
 
 
 def half_grad_times_mask(v, opt, loss):

@@ -197,17 +197,17 @@ def child(a) -> dict:
         first = {k: v[:BATCH] for k, v in xs.items()}, ys[:BATCH]
         t0 = time.perf_counter()
         ff.select(model, first, budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
-                  batch_size=BATCH, verbose=0)  # fmt: skip
+                  batch_size=BATCH, options={"verbose": 0})  # fmt: skip
         out["seconds_one_batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         plan = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
-                         batch_size=BATCH, verbose=0)  # fmt: skip
+                         batch_size=BATCH, options={"verbose": 0})  # fmt: skip
         out["seconds"] = time.perf_counter() - t0
         out["examples"] = a.examples
         plan.save(os.path.join(a.workdir, "fisher.json"))
         t0 = time.perf_counter()
         cols = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
-                         structure="columns", batch_size=BATCH, verbose=0)  # fmt: skip
+                         structure="columns", batch_size=BATCH, options={"verbose": 0})  # fmt: skip
         out["seconds_columns"] = time.perf_counter() - t0
         cols.save(os.path.join(a.workdir, "fisher-columns.json"))
         out["peak_mb"] = peak_mb()

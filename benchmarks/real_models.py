@@ -248,7 +248,9 @@ def minilm(epochs, sequence_length=32, batch_size=32):
     model = classifier()
     model.backbone.enable_lora(4)
     data, val = reviews(320, 2), reviews(200, 3)
-    plan = ff.select(model, data, budget=0.001, include=["**/lora_*", "**/logits/**"], loss=loss, verbose=0)
+    plan = ff.select(
+        model, data, budget=0.001, include=["**/lora_*", "**/logits/**"], loss=loss, options={"verbose": 0}
+    )
     job("LoRA r4 + 0.1% of the base (fisher) + head", model, plan, data, val, 1e-3)
 
     keras.utils.set_random_seed(0)

@@ -46,7 +46,13 @@ def child(modes: list[str], repeats: int) -> None:
         for _ in range(repeats):
             t = time.perf_counter()
             plan = ff.select(
-                model, (x, y), budget=0.01, score="fisher", include="head/**", loss=loss, per_example=mode, verbose=0
+                model,
+                (x, y),
+                budget=0.01,
+                score="fisher",
+                include="head/**",
+                loss=loss,
+                options={"per_example": mode, "verbose": 0},
             )
             times.append(time.perf_counter() - t)
         frz = ff.Freezer(model, plan)

@@ -115,10 +115,13 @@ def run_sparse(score, options, budget, seed, data, args, reselect=False):
     if score is None:
         plan = ff.Plan([ff.freeze("**"), ff.train("head/**")])
     else:
+        kwargs = dict(options)  # structure= is an argument of select, largest= one of its options
+        knobs = {"seed": seed, "verbose": 0, "epochs": args.delta_epochs, "optimizer": keras.optimizers.Adam(args.lr)}
+        if "largest" in kwargs:
+            knobs["largest"] = kwargs.pop("largest")
         plan = ff.select(
-            model, data[0], budget=budget, score=score, include="head/**", loss=LOSS, seed=seed, verbose=0,
-            epochs=args.delta_epochs, optimizer=keras.optimizers.Adam(args.lr), **options,
-        )  # fmt: skip
+            model, data[0], budget=budget, score=score, include="head/**", loss=LOSS, **kwargs, options=knobs
+        )
     choose = time.perf_counter() - t
     frz = ff.Freezer(model, plan, gradients="sliced" if "structure" in options else "dense")  # slices: their own cost
     callbacks = [ff.callbacks.Reselect(data[0], every=args.reselect_every, fraction=0.1, batches=4)] if reselect else []
@@ -147,7 +150,7 @@ def run_lora_sparse(rank, budget, seed, data, args):
     t = time.perf_counter()
     plan = ff.select(
         model, data[0], budget=k - adapters, score="fisher", include=["head/**", "**/lora_kernel_*"], loss=LOSS,
-        seed=seed, verbose=0,
+        options={"seed": seed, "verbose": 0},
     )  # fmt: skip
     choose = time.perf_counter() - t
     frz = ff.Freezer(model, plan)
@@ -243,7 +246,9 @@ def main():
         )
     if args.plot:
         model = pretrained_digits_model(seed=0)
-        plan = ff.select(model, target_task(0)[0], budget=args.budgets[0], include="head/**", loss=LOSS, verbose=0)
+        plan = ff.select(
+            model, target_task(0)[0], budget=args.budgets[0], include="head/**", loss=LOSS, options={"verbose": 0}
+        )
         ff.Freezer(model, plan).plot(
             args.plot, title=f"{args.budgets[0]:.0%} of the base chosen by fisher, plus the head (seed 0)"
         )

@@ -24,7 +24,7 @@ for name in ("dense_1", "dense_2", "bottleneck"):
     model.get_layer(name).enable_lora(1)  # Keras' own LoRA: the base kernel's trainable flag goes off
 
 # the adapters and the head in full, and the 5,000 base elements with the largest Fisher score
-plan = ff.select(model, (x, y), budget=5000, include=["**/lora_*", "head/**"], loss=LOSS, verbose=0)
+plan = ff.select(model, (x, y), budget=5000, include=["**/lora_*", "head/**"], loss=LOSS, options={"verbose": 0})
 frz = ff.Freezer(model, plan)
 print(frz.summary(variables=False))
 kernel = model.get_layer("dense_1")._kernel

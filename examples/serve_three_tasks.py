@@ -30,7 +30,7 @@ x, y = make_data(512, new_tokens=True)
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 plans = {  # the second plan: the 2 % of the base's elements with the highest Fisher score on the task
     "new-tokens": ff.Plan.from_dict(DEFAULT_PLAN),  # the new rows of the embedding and the head
-    "fisher": ff.select(base_model(), (x, y), budget=0.02, score="fisher", loss=loss, verbose=0),
+    "fisher": ff.select(base_model(), (x, y), budget=0.02, score="fisher", loss=loss, options={"verbose": 0}),
     "one-head": ff.Plan([ff.freeze("**"), ff.train("**/attention/attention_output/kernel[1]")]),
 }
 tuned = {}

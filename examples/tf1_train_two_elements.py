@@ -33,7 +33,7 @@ def run(make_optimizer, finefreeze: bool, warm: int = 0, steps: int = 30, show: 
         opt = make_optimizer()
         warm_op = opt.minimize(loss)
         if finefreeze:
-            frz = ff.Freezer(g, PLAN)
+            frz = ff.tf1.Freezer(g, PLAN)
             train_op = frz.minimize(opt, loss)
         else:  # the TF1 recipe: gradient times a 0/1 mask
             grads = opt.compute_gradients(loss, var_list=[x])

@@ -56,8 +56,8 @@ with tf.Graph().as_default():
 # The same with plans: each op's var_list and train op come from its Freezer.
 with tf.Graph().as_default() as g:
     enc, dec, loss = build()
-    freeze_enc = ff.Freezer(g, ff.Plan([ff.freeze("encoder/**")]))
-    freeze_dec = ff.Freezer(g, ff.Plan([ff.freeze("decoder/**")]))
+    freeze_enc = ff.tf1.Freezer(g, ff.Plan([ff.freeze("encoder/**")]))
+    freeze_dec = ff.tf1.Freezer(g, ff.Plan([ff.freeze("decoder/**")]))
     print("op 1 trains", [v.name for v in freeze_enc.var_list], "- op 2 trains", [v.name for v in freeze_dec.var_list])
     train_dec = freeze_enc.minimize(v1.train.AdamOptimizer(0.05, name="adam_dec"), loss)
     train_enc = freeze_dec.minimize(v1.train.AdamOptimizer(0.01, name="adam_enc"), loss)
@@ -73,9 +73,9 @@ assert slots == ["decoder/w/adam_dec", "decoder/w/adam_dec_1", "encoder/w/adam_e
 # Beyond var_list: op 1 also keeps the decoder's first row fixed, element by element.
 with tf.Graph().as_default() as g:
     enc, dec, loss = build()
-    frz_1 = ff.Freezer(g, ff.Plan([ff.freeze("encoder/**"), ff.freeze("decoder/w[0]")]))
+    frz_1 = ff.tf1.Freezer(g, ff.Plan([ff.freeze("encoder/**"), ff.freeze("decoder/w[0]")]))
     op_1 = frz_1.minimize(v1.train.AdamOptimizer(0.05, name="adam_dec"), loss)
-    frz_2 = ff.Freezer(g, ff.Plan([ff.freeze("decoder/**")]))
+    frz_2 = ff.tf1.Freezer(g, ff.Plan([ff.freeze("decoder/**")]))
     op_2 = frz_2.minimize(v1.train.AdamOptimizer(0.01, name="adam_enc"), loss)
     with v1.Session() as sess:
         sess.run(v1.global_variables_initializer())

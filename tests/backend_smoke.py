@@ -74,11 +74,11 @@ def main(out: str) -> None:
 
     # the data scores; Reselect inside fit: the trained set changes, what was never trained stays exact
     for score in ("fisher", "gradient", "delta", "magnitude"):
-        chosen = ff.select(model(), (x, y), budget=5, score=score, loss="mse", verbose=0)
+        chosen = ff.select(model(), (x, y), budget=5, score=score, loss="mse", options={"verbose": 0})
         assert ff.Freezer(model(), chosen).report()["totals"]["trainable_elements"] == 5, score
     sm = model("s")
     start = weights(sm)
-    frz = ff.Freezer(sm, ff.select(sm, (x, y), budget=20, score="fisher", loss="mse", verbose=0))
+    frz = ff.Freezer(sm, ff.select(sm, (x, y), budget=20, score="fisher", loss="mse", options={"verbose": 0}))
     sm.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
     never = {p: frz.frozen_mask("s/" + p) for p in start}
 

@@ -170,3 +170,9 @@ def shares_its_buffer(variable) -> bool:
     reads = [tf.raw_ops.ReadVariableOp(resource=raw.handle, dtype=raw.dtype) for _ in range(2)]
     a, b = (np.from_dlpack(Exported(r)).__array_interface__["data"][0] for r in reads)
     return a == b
+
+
+def strategy_of(frz, path: str):
+    """The strategy ``frz.report()`` names for a partially frozen variable (its path or the end of it), else None."""
+    (v,) = [v for v in frz.report()["variables"] if v["path"] == path or v["path"].endswith("/" + path)]
+    return v["strategy"] if v["state"] == "partial" else None

@@ -69,7 +69,8 @@ class Markers:
     def frameworks(self) -> tuple[str, ...]:
         """The backends' frameworks the module imports at its top (outside functions and ``if`` blocks)."""
         names = set()
-        for node in self.tree.body:
+        top = [*self.tree.body, *(n for t in self.tree.body if isinstance(t, ast.Try) for n in t.body)]
+        for node in top:  # a top-level try that imports it, to say how to install it, counts too
             if isinstance(node, ast.Import):
                 names.update(a.name.split(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0:

@@ -36,6 +36,7 @@ def events(log_dir):
     return acc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact", "mask"])
 def test_freezeboard_writes_table_fractions_masks_and_gradient_norms(tmp_path, strategy):
     from finefreeze._data.text_model import make_data

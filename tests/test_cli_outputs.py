@@ -261,6 +261,8 @@ def test_force_replaces_a_previous_run_whole(done, tmp_path):
 
     out = tmp_path / "out"
     shutil.copytree(done, out)
+    assert main(["delta", "apply", str(out / "base.keras"), str(out / "delta.safetensors")]) == 0  # into out
+    assert main(["delta", "export", str(out / "tuned.keras")]) == 0
     old_events = set(os.listdir(out / "tensorboard"))
     old_tuned = (out / "tuned.keras").read_bytes()
     shutil.copy(done / "base.keras", tmp_path / "model.keras")
@@ -270,7 +272,8 @@ def test_force_replaces_a_previous_run_whole(done, tmp_path):
     argv = ["finetune", tmp_path / "model.keras", "--data", tmp_path / "d.npz", "--plan", tmp_path / "plan.json"]
     got = run_here(*argv, "--out", out, "--epochs", "1", "--force", "-q")
     assert got.returncode == 0 and got.stderr == "", got.stderr[-3000:]
-    assert not (out / "base.keras").exists()  # a stale file of the previous run is gone
+    for stale in ("base.keras", "rebuilt.keras", "exported-delta.safetensors"):  # the previous run's are gone
+        assert not (out / stale).exists(), stale
     assert (out / "tuned.keras").read_bytes() != old_tuned
     events = set(os.listdir(out / "tensorboard"))
     assert events and not events & old_events  # one run's TensorBoard files, not two
@@ -383,6 +386,8 @@ cases = [
     ["delta", "apply", root + "/m.keras", root + "/d.npz", "-o", root + "/exists.keras"],
     ["delta", "export", root + "/m.keras", "-o", root + "/exists.keras"],
     ["delta", "apply", root + "/m.keras", root + "/d.npz", "-o", root + "/nodir/o.keras"],
+    ["delta", "apply", root + "/m.keras", root + "/d.npz"],  # its default output, rebuilt.keras beside d.npz
+    ["delta", "export", root + "/m.keras"],  # its default output, exported-delta.safetensors beside m.keras
 ]
 for argv in cases:
     code = main(argv)
@@ -401,13 +406,15 @@ def test_refusals_that_need_no_framework_come_before_one_loads(tmp_path):
         z.writestr("config.json", "{}")
     (tmp_path / "d.npz").write_bytes(b"")
     (tmp_path / "exists.keras").write_bytes(b"")
+    (tmp_path / "rebuilt.keras").write_bytes(b"")
+    (tmp_path / "exported-delta.safetensors").write_bytes(b"")
     got = subprocess.run(
         [sys.executable, "-c", REFUSALS_WITHOUT_A_FRAMEWORK, str(tmp_path)], env=ENV, capture_output=True, text=True
     )
     lines = got.stdout.splitlines()
-    assert len(lines) == 12, got.stderr[-2000:]
+    assert len(lines) == 14, got.stderr[-2000:]
     assert all(line == "2 -" for line in lines), (lines, got.stderr[-2000:])
     errors = [e for e in got.stderr.splitlines() if e.startswith("finefreeze ")]
-    assert len(errors) == 12 and all(
+    assert len(errors) == 14 and all(
         any(w in e for w in ("does not exist", "another run", "no config.json", "pass --force")) for e in errors
     ), errors

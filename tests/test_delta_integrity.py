@@ -194,18 +194,47 @@ def test_missing_and_extra_tensors_are_named(tmp_path):
     assert same(snapshot(base), pristine)
 
 
-def test_format_1_files_are_refused_with_how_to_export_again(tmp_path):
+def _without_frozen(m):
+    variables = json.loads(m["variables"])
+    partial = next(p for p, info in variables.items() if info["kind"] == "partial")
+    del variables[partial]["frozen"]
+    return {**m, "variables": json.dumps(variables)}
+
+
+@pytest.mark.parametrize(
+    "change, found",
+    [
+        (lambda m: {**m, "format": "finefreeze.delta/2"}, "is format 'finefreeze.delta/2'"),
+        (lambda m: {**m, "format": "finefreeze.delta/0"}, "is format 'finefreeze.delta/0'"),
+        (lambda m: {k: v for k, v in m.items() if k != "format"}, "has no format entry"),
+    ],
+    ids=["newer", "older", "none"],
+)
+def test_a_delta_of_another_format_is_refused_with_how_to_export_again(tmp_path, change, found):
+    base, tuned, path = small_pair(tmp_path)
+    with safe_open(str(path), framework="np") as f:
+        assert f.metadata()["format"] == "finefreeze.delta/1"  # the one format, as save_delta writes it
+    pristine = snapshot(base)
+    other = rewrite(path, tmp_path / "other.safetensors", meta=change)  # checksums fixed: only the format differs
+    with pytest.raises(ff.DeltaError) as e:
+        ff.load_delta(base, other)
+    assert found in str(e.value) and "other.safetensors" in str(e.value)
+    assert f"finefreeze {ff.__version__} reads delta files of format 'finefreeze.delta/1' only" in str(e.value)
+    assert f"Export it again with finefreeze {ff.__version__}" in str(e.value) and "delta export" in str(e.value)
+    with pytest.raises(ff.DeltaError, match="finefreeze.delta/1"):
+        ff.DeltaSwitch(base, {"task": other})
+    assert same(snapshot(base), pristine)
+    ff.load_delta(base, path)  # the file it was made from applies
+    assert same(snapshot(base), tuned)
+
+
+def test_a_delta_lacking_a_variable_s_check_is_refused(tmp_path):
     base, _, path = small_pair(tmp_path)
-    old = rewrite(
-        path,
-        tmp_path / "v1.safetensors",
-        meta=lambda m: (
-            {k: v for k, v in m.items() if k not in ("tensors", "checksum")} | {"format": "finefreeze.delta/1"}
-        ),
-        fix_checksums=False,
-    )
-    with pytest.raises(ff.DeltaError, match="format 1.*delta export"):
-        ff.load_delta(base, old)
+    pristine = snapshot(base)
+    lacking = rewrite(path, tmp_path / "lacking.safetensors", meta=_without_frozen)
+    with pytest.raises(ff.DeltaError, match=r"lacking\.safetensors.*variable .* is malformed \(KeyError: 'frozen'\)"):
+        ff.load_delta(base, lacking)
+    assert same(snapshot(base), pristine)
 
 
 class FailingVariable(keras.Variable):

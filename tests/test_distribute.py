@@ -99,6 +99,7 @@ def test_mirrored_fit_is_exact_on_every_replica_and_matches_one_device(strategy,
             np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=tol, atol=tol, err_msg=a.path)
 
 
+@pytest.mark.slow
 def test_mirrored_fit_of_a_sliced_kernel_is_exact_on_every_replica_and_matches_one_device():
     sliced = ff.Plan([ff.freeze("**/a/kernel"), ff.train("**/a/kernel[:, 6:]")])
     with mirrored().scope():
@@ -136,6 +137,7 @@ def test_mirrored_fit_of_sampled_elements_is_exact_on_every_replica_and_matches_
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-5, err_msg=a.path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 def test_mirrored_custom_loop_matches_one_device(strategy):
     def run(dist):
@@ -181,6 +183,7 @@ class MeanVar(keras.layers.Layer):
         return x @ self.w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
 def test_mean_aggregated_variable_partially_frozen_over_three_replicas_stays_exact(strategy):
     with mirrored(3).scope():
@@ -196,6 +199,7 @@ def test_mean_aggregated_variable_partially_frozen_over_three_replicas_stays_exa
     assert not np.array_equal(before["net/mv/w"][1:3, ::2], model.get_layer("mv").w.numpy()[1:3, ::2])
 
 
+@pytest.mark.slow
 def test_update_under_mirrored_strategy():
     strategy = mirrored()
     with strategy.scope():

@@ -207,6 +207,7 @@ def block_data(n=32):
     return np.random.default_rng(0).normal(size=(n, 8)), np.random.default_rng(1).normal(size=(n, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spe", SPE)
 def test_gradual_unfreezing_releases_exactly_the_top_groups(spe):
     model, frz = head_only(keras.optimizers.AdamW(0.01), seed=11, steps_per_execution=spe)
@@ -316,3 +317,18 @@ def test_freeze_schedule_by_epoch_with_validation_and_steps_per_execution():
     assert not np.array_equal(before["head/kernel"], after["head/kernel"])  # trained in epoch 0
     assert np.array_equal(before["block_1/kernel"], after["block_1/kernel"])
     frz.verify()
+
+
+def test_stage_plans_before_fit_with_a_freezer_given_and_out_of_range_stages_refused():
+    m = keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, name="low"), keras.layers.Dense(2, name="head")], name="m"
+    )
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train("**/head/**")]))
+    given = ff.callbacks.GradualUnfreezing(["**/low/**"], freezer=frz)
+    assert [repr(r) for r in given.stage_plan(1).rules] == [*map(repr, frz.plan.rules), "train('**/low/**')"]
+    assert given.stage_plan(0).rules == frz.plan.rules
+    for k in (2, -1):
+        with pytest.raises(ff.PlanError, match=rf"stage_plan\({k}\): give 0 to 1"):
+            given.stage_plan(k)
+    with pytest.raises(ff.PlanError, match="give freezer= or call it once fit has started"):
+        ff.callbacks.GradualUnfreezing(["**/low/**"]).stage_plan(1)

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf  # TensorFlow's sparse gradients: the backend-neutral runs leave this file out
 
 import finefreeze as ff
-from backend_utils import weights_of
+from backend_utils import strategy_of, weights_of
 
 pytestmark = pytest.mark.backends("tensorflow", reason="TensorFlow's IndexedSlices gradients")
 
@@ -64,7 +64,7 @@ def fit(strategy, opt, plan=NEW_ROWS, jit=False, epochs=2, gradients="auto"):
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_compact_new_rows_train_as_restore_does_bit_for_bit(name, jit, gradients):
     m, frz, before = fit("auto", OPTIMIZERS[name], jit=jit, gradients=gradients)
-    assert frz.strategy_for("emb/embeddings") == "compact"
+    assert strategy_of(frz, "emb/embeddings") == "compact"
     r, _, _ = fit("restore", OPTIMIZERS[name], jit=jit)
     after = table(m)
     assert np.array_equal(after[: VOCAB - NEW], before[: VOCAB - NEW])  # pretrained rows: bit-identical
@@ -73,6 +73,7 @@ def test_compact_new_rows_train_as_restore_does_bit_for_bit(name, jit, gradients
         assert np.array_equal(a.numpy(), b.numpy()), a.path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
 def test_rows_held_dense_after_a_recurring_change_train_as_restore_does_bit_for_bit(name):
     """Rows whose slice moved under ``often=True`` take the table's IndexedSlices, found by rows (``take_sparse``)."""
@@ -89,7 +90,7 @@ def test_rows_held_dense_after_a_recurring_change_train_as_restore_does_bit_for_
         return m, frz
 
     m, frz = run("auto")
-    assert frz.strategy_for("emb/embeddings") == "compact" and frz.held_dense == ["emb/embeddings"]
+    assert strategy_of(frz, "emb/embeddings") == "compact" and frz._held_dense == ["emb/embeddings"]
     r, _ = run("restore")
     for a, b in zip(weights_of(m), weights_of(r)):
         assert np.array_equal(a.numpy(), b.numpy()), a.path
@@ -121,7 +122,7 @@ def test_new_rows_train_as_plain_keras_trains_them_with_the_other_rows_gradient_
         for s in range(0, len(X), 12):
             step(X[s : s + 12], Y[s : s + 12])
             ref_step(X[s : s + 12], Y[s : s + 12])
-    assert frz.strategy_for("emb/embeddings") == "compact"
+    assert strategy_of(frz, "emb/embeddings") == "compact"
     for a, b in zip(weights_of(m), weights_of(ref)):
         assert np.array_equal(a.numpy(), b.numpy()), a.path
 
@@ -209,6 +210,7 @@ def _mirrored_fit(**freezer_kw):
     return [w.numpy() for w in weights_of(m)]
 
 
+@pytest.mark.slow
 def test_under_mirrored_strategy_sliced_rows_train_as_the_dense_path():
     """A block of whole rows under MirroredStrategy: read by rows and scattered by rows on every replica."""
     sliced, dense = _mirrored_fit(gradients="sliced"), _mirrored_fit(gradients="dense")
@@ -216,6 +218,7 @@ def test_under_mirrored_strategy_sliced_rows_train_as_the_dense_path():
         assert float(np.abs(a - b).max()) <= 2e-5 * float(np.abs(b).max())
 
 
+@pytest.mark.slow
 def test_under_mirrored_strategy_compact_equals_restore():
     for a, b in zip(_mirrored_fit(strategy="compact"), _mirrored_fit(strategy="restore")):
         assert np.array_equal(a, b)

@@ -80,6 +80,8 @@ CASES = [
         ["rule 1", P, "(5, 0)", "axis 0"],
     ),
     ("indices-not-int", lambda m: ff.freeze(K, indices=[("a", 0)]), [K, "integer tuples"]),
+    ("indices-a-float", lambda m: ff.freeze(K, indices=[(0.5, 0)]), [K, "integer tuples", "0.5"]),
+    ("indices-a-digit-string", lambda m: ff.freeze(K, indices=[("1", 0)]), [K, "integer tuples", "'1'"]),
     ("indices-empty", lambda m: ff.freeze(K, indices=[]), [K, "empty"]),
     ("selector-type", lambda m: ff.freeze(42), ["unknown selector type int", "42"]),
     ("bad-regex", lambda m: ff.freeze("re:dense_[0-"), ["re:dense_[0-", "bad regular expression"]),

@@ -104,6 +104,7 @@ def released_run(make, plan_before, plan_after, strategy="auto", step_count="rel
     ],
     ids=["Adam", "AdamW", "Adamax", "Lamb", "Adafactor", "Nadam", "ScheduleFreeAdamW"],
 )
+@pytest.mark.slow
 def test_a_released_layer_moves_as_under_a_fresh_optimizer(make):
     m, frz, opt, at_release = released_run(make, ff.Plan([ff.freeze("**/a/**")]), ff.Plan([]))
     a = weights_of(m)[:2]
@@ -115,7 +116,7 @@ def test_a_released_layer_moves_as_under_a_fresh_optimizer(make):
     grads_b = [grads_for(weights_of(m), s)[2:] for s in range(K + J)]
     plain = fresh_run(make, [raw(v) for v in model().weights[2:]], grads_b)
     assert all(same(raw(v), w) for v, w in zip(b, plain))  # trained all along: Keras' own count
-    assert [int(raw(e.born)) if e.born is not None else 0 for e in opt.enforcers] == [K, K, 0, 0]
+    assert [int(raw(e.born)) if e.born is not None else 0 for e in opt._enforcers] == [K, K, 0, 0]
 
 
 @pytest.mark.parametrize("strategy", ["restore", "compact"])
@@ -135,7 +136,7 @@ def test_released_elements_of_a_training_kernel_move_as_under_a_fresh_optimizer(
     assert same(kernel[:, 3:], all_along, bound)
     assert np.array_equal(kernel[:, :1], start[:, :1])
     frz.verify()
-    born = raw(next(e.born for e in opt.enforcers if e.path.endswith("a/kernel")))
+    born = raw(next(e.born for e in opt._enforcers if e.path.endswith("a/kernel")))
     trained = born if strategy == "compact" else born[:, 1:]  # compact: one per trained element
     assert sorted(set(trained.reshape(-1).tolist())) == [0, K]
 
@@ -149,13 +150,13 @@ def test_step_count_global_keeps_keras_count():
     assert all(same(raw(v), w) for v, w in zip(weights_of(m)[:2], keras_count))
     fresh = fresh_run(make, start, grads)
     assert not np.array_equal(raw(weights_of(m)[0]), fresh[0])
-    assert all(e.born is None for e in opt.enforcers)
+    assert all(e.born is None for e in opt._enforcers)
 
 
 @pytest.mark.parametrize("make", [lambda: keras.optimizers.SGD(0.1, momentum=0.9), lambda: keras.optimizers.Lion()])
 def test_optimizers_without_a_step_count_hold_nothing_more(make):
     m, frz, opt, _ = released_run(make, ff.Plan([ff.freeze("**/a/**")]), ff.Plan([]))
-    assert all(e.born is None for e in opt.enforcers)
+    assert all(e.born is None for e in opt._enforcers)
     assert not any(".born" in w.name for w in opt.variables)
 
 
@@ -174,7 +175,7 @@ def test_a_second_release_into_a_counted_kernel_is_written_in_place():
     frz.update(plans[2])
     assert not frz.history[-1]["retraced"]  # later ones write into them
     train(frz, opt, m, J, K + 2)
-    born = raw(next(e.born for e in opt.enforcers))
+    born = raw(next(e.born for e in opt._enforcers))
     assert born[:, 2].tolist() == [K + 2] * 6 and born[:, 3].tolist() == [K] * 6 and born[:, 4].tolist() == [0] * 6
     grads = [grads_for(weights_of(m), s)[0] for s in range(K + 2 + J)]
     # the column released second moves as a fresh optimizer from its own release
@@ -182,6 +183,7 @@ def test_a_second_release_into_a_counted_kernel_is_written_in_place():
     assert same(raw(weights_of(m)[0])[:, 2:3], released, MIXED_AGES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["Adam", "Nadam"])
 def test_release_steps_survive_a_checkpoint(tmp_path, name):
     make = lambda: getattr(keras.optimizers, name)(0.05)  # noqa: E731
@@ -197,4 +199,4 @@ def test_release_steps_survive_a_checkpoint(tmp_path, name):
     train(frz2, opt2, m2, 3, K + J)
     assert [raw(w).tobytes() for w in weights_of(m)] == [raw(w).tobytes() for w in weights_of(m2)]
     assert [raw(w).tobytes() for w in opt.variables] == [raw(w).tobytes() for w in opt2.variables]
-    assert [int(raw(e.born)) if e.born is not None else 0 for e in opt2.enforcers] == [K, K, 0, 0]
+    assert [int(raw(e.born)) if e.born is not None else 0 for e in opt2._enforcers] == [K, K, 0, 0]

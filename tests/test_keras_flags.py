@@ -33,6 +33,7 @@ def test_a_frozen_backbone_is_switched_off_the_keras_way():
     )
 
 
+@pytest.mark.slow
 def test_unfreezing_the_backbone_with_keras_is_honoured_and_equals_plain_keras():
     model, base = nested()
     ref, ref_base = nested()
@@ -79,7 +80,8 @@ def test_no_switch_no_warning_and_variables_keras_did_not_train_stay_so():
     assert frz.variable_state("backbone/d1/bias") == "untrained"
 
 
-def test_model_trainable_true_after_a_freezer_is_said_and_the_plan_holds():
+@pytest.mark.parametrize("then", ["wrap", "update", "activate"])
+def test_model_trainable_true_after_a_freezer_is_said_and_the_plan_holds(then):
     keras.utils.set_random_seed(3)
     model = keras.Sequential(
         [keras.Input((6,)), keras.layers.Dense(8, name="d0"), keras.layers.Dense(2, name="head")], name="flat"
@@ -93,8 +95,26 @@ def test_model_trainable_true_after_a_freezer_is_said_and_the_plan_holds():
         kernel.trainable = model.get_layer("d0").bias.trainable = True  # what the setter does on JAX and PyTorch
     assert kernel.trainable is True
     with pytest.warns(ff.FreezeWarning, match=r"turned back on for 2 variable\(s\) the plan freezes .*d0/kernel"):
+        if then == "update":
+            frz.update(frz.plan)
+        elif then == "activate":
+            frz.activate()
         model.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
     assert kernel.trainable is False  # set back: Keras computes no gradient for it
     model.fit(X, Y, epochs=2, verbose=0)
     assert np.array_equal(kernel.numpy(), before)
     assert frz.variable_state("flat/d0/kernel") == "frozen"
+
+
+@pytest.mark.parametrize("then", ["update", "activate"])
+def test_a_backbone_switched_on_after_a_freezer_is_honoured_by_update_and_activate(then):
+    """``base.trainable = True`` is a rule at the end of the plan, said with a warning, whichever call comes next."""
+    keras.utils.set_random_seed(3)
+    base = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, name="d0")], name="base")
+    model = keras.Sequential([keras.Input((6,)), base, keras.layers.Dense(2, name="head")], name="m")
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("**/base/**")]))
+    assert base.trainable is False
+    base.trainable = True
+    with pytest.warns(ff.FreezeWarning, match=r"base\.trainable = True: the plan now ends with train\("):
+        frz.update(frz.plan) if then == "update" else frz.activate()
+    assert frz.variable_state("base/d0/kernel") == "trainable" and repr(frz.plan.rules[-1]).startswith("train(")

@@ -600,7 +600,7 @@ def test_a_sliced_layers_output_and_input_gradient_are_keras_own_bit_for_bit(cas
     assert np.array_equal(_numpy(model(t)), _numpy(reference(t)))
     if not ids:  # the input gradient: Keras' own, bit for bit
         assert np.array_equal(_input_gradient(model, x), _input_gradient(reference, x))
-    assert kernel.path in frz.gradients_record()["sliced"]
+    assert kernel.path in frz._gradients_record()["sliced"]
 
 
 def test_a_lora_layer_keeps_keras_own_call_and_a_quantized_kernel_is_refused():
@@ -614,7 +614,7 @@ def test_a_lora_layer_keeps_keras_own_call_and_a_quantized_kernel_is_refused():
     trained[:, :2] = True
     frz = ff.Freezer(model, ff.Plan([ff.train("k/kernel", mask=trained)]), gradients="sliced")
     assert instances.instance_value(d, "call", None) is None  # never replaced: the dense path, Keras' own
-    assert frz.gradients_record()["sliced"] == []
+    assert frz._gradients_record()["sliced"] == []
     q = keras.layers.Dense(6, name="k")
     quantized = keras.Model(i, q(i))
     q.quantize("int8")

@@ -57,6 +57,7 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 PLAN = ff.Plan([ff.freeze("**"), ff.train(f"**/token_embedding/embeddings[{len(VOCAB)}:]"), ff.train("**/logits/**")])
 
 
+@pytest.mark.slow
 def test_new_token_rows_and_the_head_train_on_raw_strings_as_plain_keras_would():
     model = classifier(VOCAB + NEW)
     before = values(model)
@@ -148,9 +149,16 @@ def test_lora_adapters_and_selected_base_elements_train_together_on_a_backbone()
     model = classifier()
     model.backbone.enable_lora(2)
     before = values(model)
-    plan = ff.select(
-        model, (TEXTS, LABELS), budget=12, include=["**/lora_*", "**/logits/**"], loss=LOSS, batch_size=3, verbose=0
-    )
+    with pytest.warns(ff.FreezeWarning, match="selects 12 of"):  # a count of 12 elements, not 12 %
+        plan = ff.select(
+            model,
+            (TEXTS, LABELS),
+            budget=12,
+            include=["**/lora_*", "**/logits/**"],
+            loss=LOSS,
+            batch_size=3,
+            options={"verbose": 0},
+        )
     frz = ff.Freezer(model, plan)
     assert "not trained by Keras: 0" in frz.summary()  # enable_lora switched the backbone off: all plan targets
     text = frz.summary(detail=True)
@@ -159,7 +167,7 @@ def test_lora_adapters_and_selected_base_elements_train_together_on_a_backbone()
     model.fit(TEXTS, LABELS, batch_size=3, epochs=2, verbose=0)
     frz.verify()
     after = values(model)
-    base = [s for s in frz.resolution.states if "lora_" not in s.path and not s.path.startswith("logits/")]
+    base = [s for s in frz._res.states if "lora_" not in s.path and not s.path.startswith("logits/")]
     chosen = 0
     for s in base:  # the chosen base elements moved, the rest of the backbone is bit-identical
         frozen = s.mask.dense() if s.mask is not None else np.full(s.info.shape, s.state != "trainable")
@@ -173,6 +181,7 @@ def test_lora_adapters_and_selected_base_elements_train_together_on_a_backbone()
             assert not np.array_equal(after[path], before[path]), path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gemma", "llama"])
 def test_a_causal_lm_backbone_from_a_small_config(family, tmp_path):
     keras.utils.set_random_seed(5)

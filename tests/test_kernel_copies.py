@@ -205,6 +205,7 @@ COMPILED = [m for m in MODES if m != "eager"] if BACKEND != "torch" else MODES
 COMPILED = [pytest.param(m, marks=pytest.mark.slow) if m == "xla" else m for m in COMPILED]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", COMPILED)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_partially_frozen_kernel_costs_no_kernel_shaped_temporary(kind, mode):
@@ -227,6 +228,7 @@ def test_a_partially_frozen_kernel_costs_no_kernel_shaped_temporary(kind, mode):
         assert extra["folk"] > extra["floor"], extra
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="a tf.function's graph keeps its constants")
 @pytest.mark.parametrize("mode", ["graph", "xla"])
 @pytest.mark.parametrize("kind", ["columns", "scattered", "rows"])
@@ -273,6 +275,7 @@ def test_an_optimizer_built_in_a_traced_step_leaves_no_values_in_its_graph(kind,
     assert not np.array_equal(after[m], before[m]), "the step trained"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="copy-on-read is TensorFlow's runtime mode")
 @pytest.mark.parametrize("mode", [m if m != "xla" else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 @pytest.mark.parametrize("kind", KINDS)
@@ -361,6 +364,7 @@ def test_tensorflow_makes_what_the_weight_gradient_needs_of_x_in_the_backward_pa
     assert not early, early
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="a tf.function's graph keeps its operations")
 @pytest.mark.parametrize("kinds", [("scattered", "columns"), ("scattered einsum", "heads")])
 def test_scattered_elements_add_about_the_operations_of_a_block(kinds):

@@ -37,10 +37,13 @@ def gemma(seed=0):
     return keras.Model(backbone.input, logits, name="lm")
 
 
+@pytest.mark.slow
 def test_fisher_selection_runs_on_every_backend_and_auto_chooses_a_way_that_works():
     """``per_example="auto"`` equals the loop bit for bit where it takes the loop (TensorFlow: attention's softmax)."""
-    auto = ff.select(gemma(), (X, Y), budget=0.01, loss=LOSS, batch_size=4, verbose=0)
-    loop = ff.select(gemma(), (X, Y), budget=0.01, loss=LOSS, batch_size=4, per_example="loop", verbose=0)
+    auto = ff.select(gemma(), (X, Y), budget=0.01, loss=LOSS, batch_size=4, options={"verbose": 0})
+    loop = ff.select(
+        gemma(), (X, Y), budget=0.01, loss=LOSS, batch_size=4, options={"per_example": "loop", "verbose": 0}
+    )
     masks = [{r.selector: r.mask for r in p.rules if getattr(r, "mask", None) is not None} for p in (auto, loop)]
     assert masks[0].keys() == masks[1].keys() and masks[0]
     chosen = sum(int(m.sum()) for m in masks[0].values())
@@ -48,7 +51,7 @@ def test_fisher_selection_runs_on_every_backend_and_auto_chooses_a_way_that_work
     if BACKEND == "tensorflow":  # the loop: the same sums in the same order
         assert all(np.array_equal(masks[0][k], masks[1][k]) for k in masks[0])
         with pytest.raises(ff.PlanError, match="per_example='vectorized'.*softmax.*'auto' or 'loop'"):
-            ff.select(gemma(), (X, Y), budget=0.01, loss=LOSS, per_example="vectorized", verbose=0)
+            ff.select(gemma(), (X, Y), budget=0.01, loss=LOSS, options={"per_example": "vectorized", "verbose": 0})
 
 
 @pytest.mark.parametrize(
@@ -66,7 +69,7 @@ def test_an_llm_trains_scattered_elements_and_new_rows_through_stand_ins_and_kee
     lm = gemma()
     table = lm.get_layer("token_embedding").embeddings
     if what == "scattered":
-        plan = ff.select(lm, budget=0.01, score="random", exclude="**/token_embedding/**", verbose=0)
+        plan = ff.select(lm, budget=0.01, score="random", exclude="**/token_embedding/**", options={"verbose": 0})
     else:
         plan = ff.Plan([ff.freeze("**"), ff.train(f"{table.path}[{VOCAB - 4}:]")])
     frz = ff.Freezer(lm, plan, gradients="sliced")

@@ -38,11 +38,11 @@ def raw(v):
 
 def test_the_base_kernel_is_a_plan_target_frozen_unless_a_rule_trains_it():
     m = lora_model(bn=True)
-    states = {s.path: s.state for s in ff.Freezer(m, ff.Plan([])).resolution.states}
+    states = {s.path: s.state for s in ff.Freezer(m, ff.Plan([]))._res.states}
     assert states["d/kernel"] == "frozen"  # Keras' state: enable_lora switched it off
     assert states["d/lora_kernel_a"] == states["d/lora_kernel_b"] == "trainable"
     assert states["bn/moving_mean"] == states["bn/moving_variance"] == "untrained"
-    states = {s.path: s.state for s in ff.Freezer(m, PLAN).resolution.states}
+    states = {s.path: s.state for s in ff.Freezer(m, PLAN)._res.states}
     assert states["d/kernel"] == "partial" and states["d/bias"] == "frozen"
     with pytest.raises(ff.PlanError, match="Keras does not train"):
         ff.Freezer(m, ff.Plan([ff.train("**/moving_mean")]))
@@ -62,7 +62,7 @@ def test_every_lora_layer_kind_has_its_base_in_plans(make):
     layer.enable_lora(2)
     base = layer._embeddings if isinstance(layer, keras.layers.Embedding) else layer._kernel
     frz = ff.Freezer(layer, ff.Plan([ff.train(f"{base.path}[0]")]))
-    states = {s.path: s.state for s in frz.resolution.states}
+    states = {s.path: s.state for s in frz._res.states}
     assert states[base.path] == "partial"
 
 
@@ -100,9 +100,11 @@ def test_lora_plus_sparse_base_elements_train_as_plain_keras_would():
 def test_fit_trains_adapters_and_chosen_base_elements_and_nothing_else():
     x, y = data()
     m = lora_model()
-    plan = ff.select(m, (x, y), budget=0.1, loss="mse", include="**/lora_kernel_*", per_variable=True, verbose=0)
+    plan = ff.select(
+        m, (x, y), budget=0.1, loss="mse", include="**/lora_kernel_*", per_variable=True, options={"verbose": 0}
+    )
     frz = ff.Freezer(m, plan)
-    chosen = {s.path for s in frz.resolution.states if s.state == "partial"}
+    chosen = {s.path for s in frz._res.states if s.state == "partial"}
     assert "d/kernel" in chosen  # the sparse part may sit in the base kernel under LoRA
     before = {v.path: raw(v) for v in weights_of(m)}
     m.compile(optimizer=frz.wrap(keras.optimizers.AdamW(0.01)), loss="mse")

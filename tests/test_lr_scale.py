@@ -87,7 +87,7 @@ def test_partial_variable_with_two_scales_and_frozen_rows(strategy):
     np.testing.assert_allclose(dw[0], ref[0], rtol=1e-5, atol=ATOL)
     np.testing.assert_allclose(dw[1], 0.5 * ref[1], rtol=1e-5, atol=ATOL)
     np.testing.assert_allclose(du, 2.0 * ref, rtol=1e-5, atol=ATOL)
-    assert opt.layout.by_path("w").kind == strategy
+    assert opt._layout.by_path("w").kind == strategy
 
 
 def test_changing_lr_scale_takes_effect_without_rebuilding():

@@ -3,11 +3,15 @@
 import inspect
 import types
 
+import keras
+
 import finefreeze as ff
 
 
 def test_all_is_flat_and_documented():
     for name in ff.__all__:
+        if name == "tf1" and keras.backend.backend() != "tensorflow":
+            continue  # graph code imports TensorFlow: tested on its backend
         obj = getattr(ff, name)
         if name == "__version__":
             assert isinstance(obj, str)

@@ -70,6 +70,7 @@ def test_training_a_head_over_a_scoped_backbone_equals_keras_trainable_false():
 
 
 # -- 5. blocks --------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.backends("tensorflow", reason="block structure of models, the same on every backend")
 def test_blocks_of_real_architectures():
     rn = ff.blocks(resnet50())
@@ -85,6 +86,7 @@ def test_blocks_of_real_architectures():
     assert ff.blocks(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])) == ()
 
 
+@pytest.mark.slow
 def test_the_last_two_blocks_train_and_nothing_else():
     model = resnet50()
     last = ff.blocks(model)[-2:]

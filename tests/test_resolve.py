@@ -166,11 +166,11 @@ def test_sparse_selections_are_stored_compactly():
             [ff.freeze("token_embedding/embeddings"), ff.train("token_embedding/embeddings", indices=[(5, 3), (17, 0)])]
         ),
     )
-    st = frz.resolution.by_path("token_embedding/embeddings")
+    st = frz._res.by_path("token_embedding/embeddings")
     assert st.mask.n_trainable == 2
     assert st.mask.nbytes <= 16  # an index list, not 640,000 bools
     dense_half = ff.Freezer(m, ff.Plan([ff.freeze("token_embedding/embeddings[::2]")]))
-    st = dense_half.resolution.by_path("token_embedding/embeddings")
+    st = dense_half._res.by_path("token_embedding/embeddings")
     assert st.mask.nbytes == 20000 * 32 // 8  # packed bits
 
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -179,14 +180,14 @@ def test_a_save_in_the_middle_of_an_epoch_loads_as_it_was_saved(tmp_path):
 
         def on_train_batch_end(self, batch, logs=None):
             frz = ff.Freezer.of(self.model)
-            frz.sync()
-            if frz.step == 9:
+            frz._sync()
+            if frz._step == 9:
                 seen["saved"] = state(self.model, frz)
 
         def on_train_begin(self, logs=None):
             if self.when == "load":
                 frz = ff.Freezer.of(self.model)
-                frz.sync()
+                frz._sync()
                 seen["loaded"] = state(self.model, frz)
 
     model, _ = build()
@@ -298,3 +299,57 @@ def test_processes_killed_by_os_exit_and_sigkill_resume_bit_identical(tmp_path):
         assert sorted(resumed.files) == sorted(want.files)
         for k in want.files:
             assert resumed[k].tobytes() == want[k].tobytes(), (backup, k)
+
+
+def test_weights_loaded_before_compile_into_a_model_built_otherwise_are_verify_s_baseline(tmp_path):
+    """A model built with other initial values, a Freezer, ``load_weights``, then ``compile``: verify is right."""
+    plan = ff.Plan([ff.freeze("**/a/**"), ff.freeze("**/b/kernel[0]")])
+
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(5, name="a"), keras.layers.Dense(3, name="b")], name="m"
+        )
+
+    first = build(1)
+    frz = ff.Freezer(first, plan)
+    first.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    first.fit(X, Y, epochs=1, verbose=0)
+    first.save_weights(tmp_path / "run.weights.h5")
+    saved = {v.path: np.array(keras.ops.convert_to_numpy(v)) for v in first.weights}
+
+    again = build(2)  # other initial values
+    frz = ff.Freezer(again, plan)
+    again.load_weights(tmp_path / "run.weights.h5")
+    again.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    again.fit(X, Y, epochs=1, verbose=0)
+    frz.verify()
+    kernel = np.array(keras.ops.convert_to_numpy(again.get_layer("b").kernel))
+    assert np.array_equal(kernel[0], saved["m/b/kernel"][0])
+    for v in again.get_layer("a").weights:
+        assert np.array_equal(np.array(keras.ops.convert_to_numpy(v)), saved[v.path])
+    again.get_layer("a").kernel.assign(again.get_layer("a").kernel + 1.0)  # a frozen element moves: verify says so
+    with pytest.raises(ff.FrozenValueChanged, match="m/a/kernel"):
+        frz.verify()
+
+
+def test_a_model_saved_before_its_first_step_loads_with_its_plan_and_trains_it(tmp_path):
+    """Saved after compile, before fit: the optimizer saved no masks; the loaded model takes its saved plan."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(5, name="block"), keras.layers.Dense(3, name="head")], name="m"
+    )
+    frz = ff.Freezer(model, ff.Plan([ff.freeze("**"), ff.train("**/block/kernel[:3]")]))
+    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(0.01)), loss="mse")
+    model.save(tmp_path / "m.keras")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")  # Keras: no state saved
+        loaded = keras.models.load_model(tmp_path / "m.keras")
+    again = ff.Freezer.of(loaded)
+    assert np.array_equal(again.frozen_mask("block/kernel"), frz.frozen_mask("m/block/kernel"))
+    kernel = loaded.get_layer("block").kernel
+    before = np.array(keras.ops.convert_to_numpy(kernel))
+    loaded.fit(X, Y, epochs=1, verbose=0)
+    after = np.array(keras.ops.convert_to_numpy(kernel))
+    again.verify()
+    assert np.array_equal(after[3:], before[3:]) and not np.array_equal(after[:3], before[:3])

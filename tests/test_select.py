@@ -18,6 +18,10 @@ from finefreeze._select.select import split_budget
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
+#: the small models here choose a handful of elements by count, which select warns about (a count of 1 to 100
+#: looks like a percent); tests/test_select_budget.py tests the warning itself
+pytestmark = pytest.mark.filterwarnings("ignore:select. budget=.* is a count:finefreeze.FreezeWarning")
+
 
 def data(n=40, seed=0):
     rng = np.random.default_rng(seed)
@@ -77,26 +81,34 @@ def same(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("per_example", ["vectorized", "loop"])
-@pytest.mark.parametrize("per_microbatch", [1, 7, 64])
+@pytest.mark.parametrize(  # one example a microbatch: the loop (vectorized over one is the slowest way to say it)
+    "per_microbatch, per_example", [(1, "loop"), (7, "vectorized"), (7, "loop"), (64, "vectorized"), (64, "loop")]
+)
 def test_fisher_is_top_k_of_summed_squared_per_example_gradients(per_microbatch, per_example):
     m = mlp()
     x, y = data()
     ref = reference_top_k(m, per_example_fisher(m, x, y), 17)
     plan = ff.select(
-        m, (x, y), budget=17, score="fisher", loss=LOSS, microbatch=per_microbatch, per_example=per_example, verbose=0
+        m,
+        (x, y),
+        budget=17,
+        score="fisher",
+        loss=LOSS,
+        options={"microbatch": per_microbatch, "per_example": per_example, "verbose": 0},
     )
     same(chosen(m, plan), ref)
 
 
+@pytest.mark.slow
 def test_fisher_on_attention_takes_examples_in_a_loop_and_matches_the_reference():
     m = attention_model()
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(12, 6, 4)).astype("float32"), rng.integers(0, 4, 12).astype("int32")
     ref = reference_top_k(m, per_example_fisher(m, x, y), 25)
-    same(chosen(m, ff.select(m, (x, y), budget=25, score="fisher", loss=LOSS, verbose=0)), ref)
+    same(chosen(m, ff.select(m, (x, y), budget=25, score="fisher", loss=LOSS, options={"verbose": 0})), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.backends("tensorflow", reason="a tf.data.Dataset")
 def test_gradient_is_top_k_of_summed_absolute_batch_gradients_from_a_dataset():
     import tensorflow as tf
@@ -106,16 +118,16 @@ def test_gradient_is_top_k_of_summed_absolute_batch_gradients_from_a_dataset():
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     ref = reference_top_k(m, batch_gradient(m, x, y, 16), 20)
     m.compile(loss=LOSS)  # the compiled loss is the default
-    same(chosen(m, ff.select(m, ds, budget=20, score="gradient", verbose=0)), ref)
+    same(chosen(m, ff.select(m, ds, budget=20, score="gradient", options={"verbose": 0})), ref)
     batches = [(x[s : s + 16], y[s : s + 16]) for s in range(0, 40, 16)]  # an iterable of batches
-    same(chosen(m, ff.select(m, batches, budget=20, score="gradient", verbose=0)), ref)
+    same(chosen(m, ff.select(m, batches, budget=20, score="gradient", options={"verbose": 0})), ref)
 
 
 @pytest.mark.parametrize("largest", [True, False])
 def test_magnitude_largest_and_smallest(largest):
     m = mlp()
     mags = {v.path: np.abs(v.numpy()) * (1 if largest else -1) for v in weights_of(m)}
-    plan = ff.select(m, budget=0.1, score="magnitude", largest=largest)
+    plan = ff.select(m, budget=0.1, score="magnitude", options={"largest": largest})
     n = sum(int(np.prod(v.shape)) for v in weights_of(m))
     same(chosen(m, plan), reference_top_k(m, mags, int(np.floor(0.1 * n + 0.5))))
 
@@ -143,9 +155,7 @@ def test_delta_is_top_k_of_a_hand_written_fine_tune_and_resets_the_model_bit_exa
         score="delta",
         loss=LOSS,
         batch_size=10,
-        epochs=2,
-        optimizer=keras.optimizers.Adam(1e-2),
-        verbose=0,
+        options={"epochs": 2, "optimizer": keras.optimizers.Adam(1e-2), "verbose": 0},
     )
     after = weights(m)
     for p in before:
@@ -156,9 +166,9 @@ def test_delta_is_top_k_of_a_hand_written_fine_tune_and_resets_the_model_bit_exa
 
 def test_random_is_deterministic_for_a_seed_and_changes_with_it():
     m = mlp()
-    a = chosen(m, ff.select(m, budget=30, score="random", seed=3))
-    b = chosen(m, ff.select(m, budget=30, score="random", seed=3))
-    c = chosen(m, ff.select(m, budget=30, score="random", seed=4))
+    a = chosen(m, ff.select(m, budget=30, score="random", options={"seed": 3}))
+    b = chosen(m, ff.select(m, budget=30, score="random", options={"seed": 3}))
+    c = chosen(m, ff.select(m, budget=30, score="random", options={"seed": 4}))
     same(a, b)
     assert sum(int(v.sum()) for v in a.values()) == 30
     assert any(not np.array_equal(a[p], c[p]) for p in a)
@@ -169,8 +179,8 @@ def test_data_scores_are_deterministic():
     m = mlp()
     x, y = data()
     for score in ("fisher", "gradient", "delta"):
-        a = ff.select(m, (x, y), budget=25, score=score, loss=LOSS, verbose=0)
-        b = ff.select(m, (x, y), budget=25, score=score, loss=LOSS, verbose=0)
+        a = ff.select(m, (x, y), budget=25, score=score, loss=LOSS, options={"verbose": 0})
+        b = ff.select(m, (x, y), budget=25, score=score, loss=LOSS, options={"verbose": 0})
         same(chosen(m, a), chosen(m, b))
 
 
@@ -195,11 +205,14 @@ def test_ties_go_to_the_earlier_variable_then_the_lower_index():
     assert sum(int(v.sum()) for v in c.values()) == 45
 
 
+@pytest.mark.slow
 def test_per_variable_quota_is_proportional_and_top_k_inside_each_variable():
     m = mlp()
     x, y = data()
     fisher = per_example_fisher(m, x, y)
-    c = chosen(m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, per_variable=True, verbose=0))
+    c = chosen(
+        m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, per_variable=True, options={"verbose": 0})
+    )
     sizes = [int(np.prod(v.shape)) for v in weights_of(m)]
     k = int(np.floor(0.25 * sum(sizes) + 0.5))
     quotas = split_budget(k, sizes)
@@ -212,11 +225,12 @@ def test_per_variable_quota_is_proportional_and_top_k_inside_each_variable():
         assert np.array_equal(c[v.path].ravel(), want), v.path
 
 
+@pytest.mark.slow
 def test_include_is_trained_in_full_and_exclude_is_never_chosen():
     m = mlp()
     x, y = data()
     plan = ff.select(
-        m, (x, y), budget=10, score="fisher", loss=LOSS, include="**/head/**", exclude="**/bias", verbose=0
+        m, (x, y), budget=10, score="fisher", loss=LOSS, include="**/head/**", exclude="**/bias", options={"verbose": 0}
     )
     c = chosen(m, plan)
     assert c["mlp/head/kernel"].all() and c["mlp/head/bias"].all()
@@ -229,10 +243,11 @@ def test_include_is_trained_in_full_and_exclude_is_never_chosen():
         assert np.array_equal(c[p], ref[p]), p
 
 
+@pytest.mark.slow
 def test_the_plan_is_ordinary_summary_verify_delta_and_compact(tmp_path):
     m = mlp(units=(64, 64, 4))
     x, y = data()
-    plan = ff.select(m, (x, y), budget=12, score="fisher", loss=LOSS, include="**/head/**", verbose=0)
+    plan = ff.select(m, (x, y), budget=12, score="fisher", loss=LOSS, include="**/head/**", options={"verbose": 0})
     assert ff.Plan.from_dict(plan.to_dict()) == plan
     frz = ff.Freezer(m, plan, strategy="compact")
     before = weights(m)
@@ -263,8 +278,8 @@ def test_the_plan_is_ordinary_summary_verify_delta_and_compact(tmp_path):
         ({"budget": 3, "score": "random", "include": "**/haed/**"}, "include="),
         ({"budget": 3, "score": "random", "exclude": "**"}, "no element is left"),
         ({"budget": 3, "score": "fisher"}, "needs data"),
-        ({"budget": 3, "microbatch": 0}, "microbatch"),
-        ({"budget": 3, "score": "random", "per_example": "pfor"}, "per_example"),
+        ({"budget": 3, "options": {"microbatch": 0}}, "microbatch"),
+        ({"budget": 3, "score": "random", "options": {"per_example": "pfor"}}, "per_example"),
     ],
 )
 def test_bad_input_is_a_plan_error_and_changes_nothing(kwargs, match):
@@ -280,13 +295,13 @@ def test_bad_data_and_missing_loss_are_plan_errors():
     m = mlp()
     x, y = data()
     with pytest.raises(ff.PlanError, match="not compiled with a loss"):
-        ff.select(m, (x, y), budget=3, verbose=0)
+        ff.select(m, (x, y), budget=3, options={"verbose": 0})
     with pytest.raises(ff.PlanError, match="different numbers of examples"):
-        ff.select(m, (x, y[:5]), budget=3, loss=LOSS, verbose=0)
+        ff.select(m, (x, y[:5]), budget=3, loss=LOSS, options={"verbose": 0})
     with pytest.raises(ff.PlanError, match=r"\(x, y\)"):
-        ff.select(m, [x], budget=3, loss=LOSS, verbose=0)
+        ff.select(m, [x], budget=3, loss=LOSS, options={"verbose": 0})
     with pytest.raises(ff.PlanError, match="no batches"):
-        ff.select(m, [], budget=3, loss=LOSS, verbose=0)
+        ff.select(m, [], budget=3, loss=LOSS, options={"verbose": 0})
 
 
 STREAM_CHILD = """
@@ -306,7 +321,7 @@ for n_batches in (2, 12):
     tf.config.experimental.reset_memory_stats("CPU:0")
     base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     tracemalloc.start()
-    plan = ff.select(m, (x, y), budget=0.01, score="fisher", loss=LOSS, microbatch=4, verbose=0)
+    plan = ff.select(m, (x, y), budget=0.01, score="fisher", loss=LOSS, options={"microbatch": 4, "verbose": 0})
     numpy_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     info = tf.config.experimental.get_memory_info("CPU:0")
@@ -407,16 +422,19 @@ def test_data_that_does_not_fit_the_model_is_a_plan_error():
     m = mlp(units=(8, 4), input_dim=6)
     x, y = np.ones((16, 3), "float32"), np.zeros(16, "int32")  # 3 features for a model of 6
     with pytest.raises(ff.PlanError, match="select: the data does not fit the model"):
-        ff.select(m, (x, y), budget=3, loss=LOSS, verbose=0)
+        ff.select(m, (x, y), budget=3, loss=LOSS, options={"verbose": 0})
 
 
+@pytest.mark.slow
 def test_numpy_integers_are_counts_and_microbatch_auto_is_checked():
     """``batch_size=np.int64(4)`` is a count like 4; a microbatch that is neither a count nor "auto" is refused."""
     m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a")], name="n")
     x, y = np.random.default_rng(0).normal(size=(8, 4)), np.random.default_rng(1).normal(size=(8, 3))
-    a = ff.select(m, (x, y), budget=2, loss="mse", batch_size=np.int64(4), microbatch=np.int32(2), verbose=0)
-    b = ff.select(m, (x, y), budget=2, loss="mse", batch_size=4, microbatch=2, verbose=0)
+    a = ff.select(
+        m, (x, y), budget=2, loss="mse", batch_size=np.int64(4), options={"microbatch": np.int32(2), "verbose": 0}
+    )
+    b = ff.select(m, (x, y), budget=2, loss="mse", batch_size=4, options={"microbatch": 2, "verbose": 0})
     assert [r.to_dict() for r in a.rules] == [r.to_dict() for r in b.rules]
     for bad in (0, "AUTO", 2.0, [1]):
-        with pytest.raises(ff.PlanError, match='microbatch must be an int >= 1 or "auto"'):
-            ff.select(m, (x, y), budget=2, loss="mse", microbatch=bad, verbose=0)
+        with pytest.raises(ff.PlanError, match=r"options\['microbatch'\] must be an int >= 1 or \"auto\""):
+            ff.select(m, (x, y), budget=2, loss="mse", options={"microbatch": bad, "verbose": 0})

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, weights_of
+from backend_utils import BACKEND, FIT_MODES, as_kernel_gradients, gradients, strategy_of, weights_of
 from finefreeze._slices.choose import MARK
 
 BOUND = 2e-5  # of the variable's largest value, as in test_slices.py
@@ -70,7 +70,7 @@ CASES = [("range", m) for m in range(len(FIT_MODES))] + [("index list", 1)]
 @pytest.mark.parametrize("rows, mode", CASES, ids=[f"{r}-{FIT_MODES[m] or 'default'}" for r, m in CASES])
 def test_new_rows_train_as_the_dense_path_does(rows, mode):
     m, frz = fit(TRAINED[rows], **FIT_MODES[mode])
-    assert sliced_here(m.get_layer("tok")) and frz.strategy_for("tok/embeddings") == "compact"
+    assert sliced_here(m.get_layer("tok")) and strategy_of(frz, "tok/embeddings") == "compact"
     ref, _ = fit(TRAINED[rows], gradients="dense", **FIT_MODES[mode])
     # TensorFlow reads the table sparsely on the dense path too (the same gradient); elsewhere it is Keras' call
     assert (MARK in ref.get_layer("tok").__dict__) is (BACKEND == "tensorflow")
@@ -198,6 +198,7 @@ def test_a_custom_loop_with_clipping_takes_the_rows_gradient_with_either_strateg
         close(a, b, strategy)
 
 
+@pytest.mark.slow
 def test_mixed_precision_rows_train_as_the_dense_path_does():
     keras.config.set_dtype_policy("mixed_float16")
     try:
@@ -300,6 +301,7 @@ def test_negative_ids_count_from_the_end_as_keras_take_does():
     close(got["sliced"], got["dense"], "table")
 
 
+@pytest.mark.slow
 def test_a_loss_scale_optimizer_around_the_wrapper_gets_gradients_it_can_check():
     """Keras' LossScaleOptimizer checks every gradient densely: PyTorch's rows then arrive dense."""
     got = {}

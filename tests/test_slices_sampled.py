@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import finefreeze as ff
-from backend_utils import BACKEND, FIT_MODES, gradients, squares_gradients, weights_of
+from backend_utils import BACKEND, FIT_MODES, gradients, squares_gradients, strategy_of, weights_of
 from finefreeze._resolve.standins import kernel_of
 from finefreeze._slices.choose import AUTO_SAMPLES, MARK, choose, kernel_sample, kernel_slice, pays, sampled_equation
 from test_slices import _product_sizes, trained
@@ -102,7 +102,7 @@ def test_the_gradient_is_plain_keras_at_the_trained_elements_and_zero_elsewhere(
 @pytest.mark.parametrize("mode", range(len(FIT_MODES)), ids=[str(m or "default") for m in FIT_MODES])
 def test_sampled_kernels_train_as_the_dense_path_does(mode):
     m, frz, before = fit(plan(), **FIT_MODES[mode])
-    assert MARK in m.get_layer("d").__dict__ and frz.strategy_for("d/kernel") == "compact"
+    assert MARK in m.get_layer("d").__dict__ and strategy_of(frz, "d/kernel") == "compact"
     assert "[compact, sampled]" in frz.summary()
     ref, _, _ = fit(plan(), gradients="dense", **FIT_MODES[mode])
     for v, r in zip(weights_of(m), weights_of(ref)):
@@ -116,6 +116,7 @@ def test_auto_samples_where_the_backend_measured_it_cheaper():
     assert gradient_kind(frz, "d/kernel") == expected
 
 
+@pytest.mark.slow
 def test_the_full_weight_gradient_is_never_computed():
     """No product of the kernel's size: a check that fails when the dense path is taken (``gradients="dense"``)."""
     layer = keras.layers.Dense(N, use_bias=False)

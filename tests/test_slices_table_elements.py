@@ -107,6 +107,7 @@ def test_the_gradient_is_plain_keras_at_the_trained_elements_and_zero_elsewhere(
 
 
 # PyTorch's sampled sparse product reads the logits' gradient where it lies: no windows to cut
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["embedding", "tied"] + (["tied windows"] if BACKEND != "torch" else []))
 @pytest.mark.parametrize("mode", range(len(FIT_MODES)), ids=[str(m or "default") for m in FIT_MODES])
 def test_table_elements_train_as_the_dense_path_does(mode, case, monkeypatch):

@@ -16,7 +16,7 @@ def data(n=64, d=5, k=4, seed=0):
 
 def frozen_unchanged(frz, before, after):
     for path, old in before.items():
-        st = frz.resolution.by_path(path)
+        st = frz._res.by_path(path)
         if st is None or st.state == "trainable" or st.state == "untrained":
             continue
         m = frz.frozen_mask(path)
@@ -187,6 +187,7 @@ def test_model_variables_do_not_leak_into_optimizer_variables():
     assert sum(int(np.prod(v.shape)) for v in opt._variables if v.dtype == "float32") == 1  # learning rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_mixed_precision(policy):
     keras.config.set_dtype_policy(policy)

@@ -1,10 +1,10 @@
-"""finefreeze: freeze any part of a Keras 3 / TensorFlow model, exactly.
+"""finefreeze: freeze any part of a Keras 3 model, exactly.
 
 ``import finefreeze`` is light: it imports neither Keras nor TensorFlow.
-Each public name loads its private module on first use (PEP 562), and the
-Keras classes finefreeze saves in model files (``FreezingOptimizer``, the
-layers of :mod:`finefreeze.layers`) are registered as soon as Keras is
-imported, so ``keras.models.load_model`` finds them.
+Each public name is imported on first use, and the Keras classes that
+finefreeze saves in model files are registered as soon as Keras is
+imported, so ``keras.models.load_model`` finds them (one mechanism:
+``finefreeze._imports``).
 
 Example:
     >>> import finefreeze as ff
@@ -14,15 +14,14 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-from finefreeze._keras_hook import finish_pending, register_when_keras_loads
+from finefreeze._imports import PUBLIC, load, register_keras_classes, when_imported
 from finefreeze._version import __version__ as __version__
 
-if TYPE_CHECKING:  # what static tools see; at run time the table below loads them on use
+if TYPE_CHECKING:  # what static tools see; at run time names are imported on first use
     from finefreeze import callbacks as callbacks
-    from finefreeze import layers as layers
+    from finefreeze import tf1 as tf1
     from finefreeze._errors import DeltaError as DeltaError
     from finefreeze._errors import DistributionError as DistributionError
     from finefreeze._errors import FreezeWarning as FreezeWarning
@@ -37,52 +36,21 @@ if TYPE_CHECKING:  # what static tools see; at run time the table below loads th
     from finefreeze._plan.rules import Rule as Rule
     from finefreeze._plan.rules import freeze as freeze
     from finefreeze._plan.rules import train as train
-    from finefreeze._resolve.blocks import Block as Block
-    from finefreeze._resolve.blocks import Blocks as Blocks
     from finefreeze._resolve.blocks import blocks as blocks
     from finefreeze._select.select import select as select
 
-#: public name -> the module that defines it ("" for a public submodule)
-_LAZY = {
-    "Block": "finefreeze._resolve.blocks",
-    "Blocks": "finefreeze._resolve.blocks",
-    "blocks": "finefreeze._resolve.blocks",
-    "DeltaError": "finefreeze._errors",
-    "DeltaSwitch": "finefreeze._files.switch",
-    "DistributionError": "finefreeze._errors",
-    "FreezeWarning": "finefreeze._errors",
-    "Freezer": "finefreeze._freezer.freezer",
-    "FreezingOptimizer": "finefreeze._optimizer.wrapper",
-    "FrozenValueChanged": "finefreeze._errors",
-    "Plan": "finefreeze._plan.plan",
-    "PlanError": "finefreeze._errors",
-    "Rule": "finefreeze._plan.rules",
-    "callbacks": "",
-    "freeze": "finefreeze._plan.rules",
-    "layers": "",
-    "load_delta": "finefreeze._files.delta",
-    "merge_deltas": "finefreeze._files.merge",
-    "select": "finefreeze._select.select",
-    "train": "finefreeze._plan.rules",
-}
-
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = sorted(PUBLIC)
 
 
 def __getattr__(name: str):
-    where = _LAZY.get(name)
-    if where is None:
+    if name not in PUBLIC:
         raise AttributeError(f"module 'finefreeze' has no attribute {name!r}")
-    value = (
-        importlib.import_module(f"finefreeze.{name}") if where == "" else getattr(importlib.import_module(where), name)
-    )
-    globals()[name] = value  # later lookups skip this function
-    finish_pending()
+    value = globals()[name] = load(name)  # later lookups skip this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(PUBLIC))
 
 
-register_when_keras_loads()
+when_imported("keras", after=register_keras_classes)

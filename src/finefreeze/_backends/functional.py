@@ -151,7 +151,7 @@ def select_frozen_to_zero(mask, grad):
     return keras.ops.where(mask, keras.ops.zeros_like(grad), grad)
 
 
-def take_sparse(grad, idx, shape, rows):
+def take_sparse(grad, idx, shape):
     """A sparse gradient's elements at ``idx`` (never reached: no sparse gradients here)."""
     raise TypeError(f"no sparse gradients on this backend, got {type(grad).__name__}")
 

@@ -119,7 +119,7 @@ def take_values(v, idx):
     return ops.take(ops.reshape(current_value(v), (-1,)), idx, axis=0)
 
 
-def take_trainable(grad, idx, shape, block: tuple | None = None):
+def take_trainable(grad, idx, shape):
     """The gradient of a compact vector: ``grad`` at the sorted flat indices ``idx`` of a variable of ``shape``.
 
     A dense gradient is flattened and gathered. A sparse one (a TensorFlow
@@ -128,25 +128,11 @@ def take_trainable(grad, idx, shape, block: tuple | None = None):
     trained elements (``take_sparse``), so the inner optimizer's sparse
     update of the vector equals its update of those elements in the whole
     table, bit for bit, at the cost of the batch's rows rather than of the
-    table. ``block``: the elements are a block of whole rows (new rows of a
-    table), found by rows.
+    table.
     """
     if not is_sparse(grad):
         return ops.take(flat_dense(grad), idx, axis=0)
-    return chosen().take_sparse(grad, idx, shape, _row_range(shape, block))
-
-
-def _row_range(shape, block: tuple | None) -> tuple[int, int] | None:
-    """``(first row, number of rows)`` of a block of whole rows of a variable of ``shape``; None for any other."""
-    if block is None or not _row_block(shape, block):
-        return None
-    lo = block[0].start or 0
-    return lo, block[0].stop - lo
-
-
-def _row_block(shape, block) -> bool:
-    """Whether ``block`` is whole rows of a variable of ``shape`` (a range along axis 0 only)."""
-    return all((b.start or 0) == 0 and b.stop == n for b, n in zip(block[1:], shape[1:]))
+    return chosen().take_sparse(grad, idx, shape)
 
 
 def flat_dense(grad):

@@ -28,8 +28,10 @@ class FreezeBoard(keras.callbacks.Callback):
     every variable). Every ``update_freq`` batches it writes the norm of the
     loss gradient on trainable elements (``grad_norm/trainable``) and on
     frozen elements of partially frozen variables (``grad_norm/frozen``: what
-    the plan blocked), at the
-    optimizer's step.
+    the plan blocked, where the step computes it: a kernel whose trained
+    slice or elements get their own gradient computes none for its frozen
+    part), at the optimizer's step. The board observes: training gives the
+    same bits with it and without it.
 
     The event files are the ones ``tf.summary`` writes, written by the
     ``tensorboard`` package itself on every Keras backend: FreezeBoard never
@@ -113,18 +115,18 @@ class FreezeBoard(keras.callbacks.Callback):
             trained_by_keras = v["elements"] if v["state"] != "untrained" else 0
             if trained_by_keras:
                 w.scalar(f"frozen_fraction/{v['path']}", v["frozen_elements"] / trained_by_keras, step)
-        for s in frz.resolution.states:
+        for s in frz._res.states:
             if s.info.size < 2 or (self.images == "partial" and s.state != "partial"):
                 continue
             w.image(f"frozen_mask/{s.path}", to_rgb(frozen_fraction_image(s.frozen_mask(), max_side=1024)), step)
         w.flush()
-        self._written_for = frz.resolution
+        self._written_for = frz._res
 
     def _write_norms(self) -> None:
         if self._opt is None:
             return
         self._sync()
-        norms = self._opt.gradient_norms()
+        norms = self._opt._gradient_norms()
         if norms is None:
             return
         self.last_gradient_norms = norms
@@ -137,17 +139,14 @@ class FreezeBoard(keras.callbacks.Callback):
         self._freezer_now = freezer_of(self.model, self._freezer, "FreezeBoard")
         self._opt = find_freezing_optimizer(self.model)
         self._writer = EventWriter(self.log_dir)
-        if self._opt is not None:
-            # gradients="auto" keeps slices dense while the norms are read: what the plan holds back is computed
-            retrace = not self._opt.track_gradient_norms or self._freezer_now.gradients == "auto"
-            self._opt.track_gradient_norms = self._opt.recording_norms = True
-            if retrace and getattr(self.model, "train_function", None) is not None:
+        if self._opt is not None and not self._opt._record_norms(True):
+            if getattr(self.model, "train_function", None) is not None:  # the step writes the norms from now on
                 self.model.make_train_function(force=True)
-        self.write_plan()  # after the switch: the summary says which gradients this fit computes
+        self.write_plan()
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
-        if self._freezer_now.resolution is not self._written_for:
+        if self._freezer_now._res is not self._written_for:
             self.write_plan()  # the plan changed (Freezer.update)
         if self._batches % self.update_freq == 0:
             self._write_norms()
@@ -158,7 +157,3 @@ class FreezeBoard(keras.callbacks.Callback):
                 self._write_norms()
             self._writer.close()
             self._writer = None
-        if self._opt is not None and self._opt.recording_norms:
-            self._opt.recording_norms = False  # the next fit without a board slices again
-            if self._freezer_now.gradients == "auto" and getattr(self.model, "train_function", None) is not None:
-                self.model.make_train_function(force=True)

@@ -56,7 +56,7 @@ class Reselect(keras.callbacks.Callback):
     Example:
         >>> import keras, numpy as np, finefreeze as ff
         >>> m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="a")], name="m")
-        >>> frz = ff.Freezer(m, ff.select(m, budget=6, score="random"))
+        >>> frz = ff.Freezer(m, ff.select(m, budget=0.375, score="random"))  # 6 of 16
         >>> m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.1)), loss="mse")
         >>> x, y = np.ones((8, 3), "float32"), np.zeros((8, 4), "float32")
         >>> cb = ff.callbacks.Reselect((x, y), every=2, fraction=0.5)
@@ -91,7 +91,7 @@ class Reselect(keras.callbacks.Callback):
         need_gradients("gradient")
         self.freezer = freezer_of(self.model, self._given, "Reselect")
         frz = self.freezer
-        frz.sync()  # JAX: the values of an epoch in progress
+        frz._sync()  # JAX: the values of an epoch in progress
         self._base = frz.plan
         self._vars = [v for v in frz.trainable_variables if frz.variable_state(v.path) == "partial"]
         if not self._vars:
@@ -99,7 +99,7 @@ class Reselect(keras.callbacks.Callback):
                 "Reselect: the plan has no partially frozen variable to reselect in; "
                 "start from a plan of element masks, e.g. ff.select(model, data, budget=0.01)."
             )
-        if frz.checkpoint_loads and not self._resumable_warned:
+        if frz._checkpoint_loads and not self._resumable_warned:
             self._resumable_warned = True
             warnings.warn(
                 "Reselect started after a checkpoint was loaded into the model (BackupAndRestore listed "
@@ -114,7 +114,7 @@ class Reselect(keras.callbacks.Callback):
         self._next = None  # the next multiple of `every`, read at the first batch (after a restore)
 
     def _iterations(self) -> int:
-        self.freezer.sync()  # JAX: fit keeps the state outside the variables during an epoch
+        self.freezer._sync()  # JAX: fit keeps the state outside the variables during an epoch
         return int(to_numpy(self.model.optimizer.iterations))
 
     def on_train_batch_end(self, batch, logs=None):
@@ -130,7 +130,7 @@ class Reselect(keras.callbacks.Callback):
         if getattr(self, "freezer", None) is None:  # called outside fit: set up as at train begin
             self.on_train_begin()
         frz = self.freezer
-        frz.sync()
+        frz._sync()
         grads = stream_scores(
             self.model,
             self._vars,

@@ -40,7 +40,7 @@ class _PlanCallback(keras.callbacks.Callback):
         """Resolve every plan before training starts: a bad one fails now, not at epoch 7."""
         for key, plan in plans.items():
             try:
-                resolve(plan, frz.target)
+                resolve(plan, frz._target)
             except PlanError as e:
                 raise PlanError(f"{type(self).__name__} plan for {key}: {e}") from None
 
@@ -48,7 +48,7 @@ class _PlanCallback(keras.callbacks.Callback):
         if not self._started:
             self._started = True
             if epoch > 0:  # a resumed run (initial_epoch, BackupAndRestore): weights were just restored
-                self.freezer.rebase()
+                self.freezer._rebase()
         self._on_epoch(epoch)
 
     def _on_epoch(self, epoch) -> None:
@@ -126,7 +126,7 @@ class FreezeSchedule(_PlanCallback):
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.by == "step":
-            self._due(self.freezer.step)
+            self._due(self.freezer._step)
 
 
 class GradualUnfreezing(_PlanCallback):
@@ -196,9 +196,25 @@ class GradualUnfreezing(_PlanCallback):
         return tuple(out)
 
     def stage_plan(self, k: int) -> Plan:
-        """The plan with the first ``k`` groups released."""
+        """The plan with the first ``k`` groups released (``0 <= k <= len(groups)``).
+
+        Raises:
+            PlanError: ``k`` out of range, or no plan to start from yet (before
+                ``fit`` without ``freezer=``).
+        """
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(self.groups):
+            raise PlanError(f"GradualUnfreezing.stage_plan({k!r}): give 0 to {len(self.groups)} (the groups released).")
+        base = self._base
+        if base is None:
+            frz = self._freezer if self._freezer is not None else getattr(self, "freezer", None)
+            if frz is None:
+                raise PlanError(
+                    "GradualUnfreezing.stage_plan: the plan it starts from is the Freezer's; give freezer= or "
+                    "call it once fit has started."
+                )
+            base = self._strip_groups(frz.plan)
         rules = [r for g in self.groups[:k] for r in g]
-        return Plan([*self._base.rules, *rules], strict=self._base.strict, batchnorm=self._base.batchnorm)
+        return Plan([*base.rules, *rules], strict=base.strict, batchnorm=base.batchnorm)
 
     def _strip_groups(self, plan: Plan) -> Plan:
         """The plan before any group was released: ``plan`` less a released stage's rules at its end.

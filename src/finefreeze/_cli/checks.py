@@ -12,6 +12,7 @@ import json
 import os
 
 from finefreeze._cli.inputs import check_model_file, data_kind, plan_from_keras_file
+from finefreeze._cli.parser import EXPORTED, REBUILT
 from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_preset
 from finefreeze._files.atomic import Staging, UserError
 
@@ -20,7 +21,8 @@ __all__ = ["OUTPUTS", "RESUME", "check_finetune", "check_resume", "done_epochs",
 #: the folder in ``--out`` where a run keeps its resume point (Keras' BackupAndRestore) until its outputs are in place
 RESUME = ".finefreeze-resume"
 
-#: every name ``finetune`` may write in ``--out``
+#: every name ``finetune`` may write in ``--out``, and those ``delta apply`` and ``delta export`` write there
+#: later without ``-o``: a rerun with ``--force`` drops them (they belong to the run it replaces)
 OUTPUTS = (
     "base.keras",
     "tuned.keras",
@@ -29,6 +31,8 @@ OUTPUTS = (
     "tensorboard",
     "frozen.png",
     "selected-plan.json",
+    REBUILT,
+    EXPORTED,
 )
 
 

@@ -19,7 +19,9 @@ import sys
 import tempfile
 
 from finefreeze._cli import parser
+from finefreeze._cli.deltas import cmd_delta_apply, cmd_delta_export
 from finefreeze._cli.inputs import (
+    base_model,
     check_model_file,
     load_model,
     load_plan,
@@ -30,13 +32,10 @@ from finefreeze._cli.quiet import quiet_tensorflow
 from finefreeze._files.atomic import (
     Terminated,
     UserError,
-    atomic_path,
     catch_interrupts,
     check_interrupt,
-    check_output,
     exit_code,
     finished,
-    refuse_overwrite,
 )
 
 __all__ = ["main", "build_parser"]
@@ -69,7 +68,7 @@ def cmd_finetune(args) -> int:
         if args.select is not None:  # choose the plan from the training data first
             from finefreeze._cli.selectfile import select_to_file
 
-            budget = "0.01" if args.budget is None else args.budget
+            budget = "1%" if args.budget is None else args.budget
             plan = select_to_file(
                 args.model,
                 args.data,
@@ -128,13 +127,6 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _base_model(path: str, task: dict | None):
-    """The model fine-tuning started from: a ``.keras`` file, or a preset folder (``task``: what was built on it)."""
-    from finefreeze._cli.presets import base_from_preset, is_preset
-
-    return base_from_preset(path, task) if is_preset(path) else load_model(path)
-
-
 def cmd_verify(args) -> int:
     check_model_file(args.base, preset=True)
     check_model_file(args.tuned)
@@ -152,7 +144,7 @@ def cmd_verify(args) -> int:
 
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
     tuned = load_model(args.tuned)
-    base = _base_model(args.base, task_of(tuned))
+    base = base_model(args.base, task_of(tuned))
     frz = Freezer(tuned, plan)
     try:
         frz.verify(reference=base)
@@ -165,55 +157,6 @@ def cmd_verify(args) -> int:
     t = frz.report()["totals"]
     print(f"OK: all {t['frozen_elements']:,} frozen elements of {args.tuned} are bit-identical to {args.base}")
     finished()
-    return 0
-
-
-def cmd_delta_export(args) -> int:
-    check_model_file(args.tuned)
-    refuse_overwrite([args.output], [args.tuned, args.plan], "delta export")
-    if args.plan is not None and not os.path.exists(args.plan):
-        raise UserError(f"plan file {args.plan!r} does not exist")
-    check_output(args.output, force=args.force)
-    from finefreeze._freezer.freezer import Freezer
-
-    plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
-    with atomic_path(args.output, force=args.force) as tmp:
-        frz = Freezer(load_model(args.tuned), plan)
-        info = frz.save_delta(tmp)
-    print(f"wrote {args.output}: {info['tensors']} tensors, {info['bytes']:,} bytes")
-    return 0
-
-
-def cmd_delta_apply(args) -> int:
-    check_model_file(args.base, preset=True)
-    refuse_overwrite([args.output], [args.base, *args.delta], "delta apply")
-    for d in args.delta:
-        if not os.path.exists(d):
-            raise UserError(f"delta file {d!r} does not exist")
-    if len(set(map(os.path.abspath, args.delta))) < len(args.delta):
-        raise UserError("a delta file is named twice; give each once")
-    check_output(args.output, force=args.force)
-    from finefreeze._errors import DeltaError
-    from finefreeze._files import deltafile
-    from finefreeze._files.entries import bind, read_entries
-    from finefreeze._files.merge import merge_entries
-    from finefreeze._files.switch import WriteFailed, apply_bound
-
-    try:
-        named = [(d, read_entries(d)) for d in args.delta]
-        entries = merge_entries(named) if len(named) > 1 else named[0][1]
-    except DeltaError as e:
-        raise UserError(str(e).removeprefix("merge_deltas: ")) from None
-    with atomic_path(args.output, force=args.force) as tmp:
-        model = _base_model(args.base, deltafile.read_json(args.delta[0], "base"))
-        try:
-            bound = bind(model, entries, " + ".join(repr(d) for d in args.delta))
-            apply_bound(bound)
-        except (DeltaError, WriteFailed) as e:
-            raise UserError(str(e)) from None
-        model.save(tmp)
-    n = sum(b.entry.elements for b in bound)
-    print(f"wrote {args.output}: {n:,} elements in {len(bound)} variables from {', '.join(args.delta)}")
     return 0
 
 

@@ -91,7 +91,7 @@ class Result:
         )
 
     def _next(self) -> str:
-        """How to check the result again and rebuild it from the base and the delta."""
+        """How to check the result again and rebuild it from the base and the delta (into ``out/rebuilt.keras``)."""
         if not self.base:
             return ""
         base, out = shlex.quote(_short(self.base)), self.out
@@ -99,7 +99,7 @@ class Result:
             shlex.quote(os.path.join(out, "tuned.keras")),
             shlex.quote(os.path.join(out, "delta.safetensors")),
         )
-        return f". Check: finefreeze verify {base} {tuned}; rebuild: finefreeze delta apply {base} {delta} -o rebuilt.keras"
+        return f". Check: finefreeze verify {base} {tuned}; rebuild: finefreeze delta apply {base} {delta}"
 
 
 def _short(path: str) -> str:

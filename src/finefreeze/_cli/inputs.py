@@ -11,10 +11,11 @@ import json
 import os
 import warnings
 import zipfile
+import zlib
 
 import numpy as np
 
-from finefreeze._cli.presets import check_preset, is_preset, load_preset, text_task
+from finefreeze._cli.presets import base_from_preset, check_preset, is_preset, load_preset, text_task
 from finefreeze._files.atomic import UserError
 from finefreeze._keras.layers import all_layers, inbound_tensors
 
@@ -22,6 +23,7 @@ __all__ = [
     "UserError",
     "check_model_file",
     "load_model",
+    "base_model",
     "plan_from_keras_file",
     "optimizer_from_keras_file",
     "load_plan",
@@ -72,9 +74,9 @@ def load_model(path: str | None, *, preset: bool = False):
     check_model_file(path)
     import keras
 
-    from finefreeze._keras_hook import register_now
+    from finefreeze._imports import register_keras_classes
 
-    register_now()  # finefreeze's own classes (the optimizer, the bundled layers)
+    register_keras_classes()  # finefreeze's own classes (the optimizer, the bundled model's layer)
     try:
         with warnings.catch_warnings():  # a KerasHub task compiles itself when built: Keras then says it skips
             warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")  # the saved one
@@ -83,13 +85,20 @@ def load_model(path: str | None, *, preset: bool = False):
         raise UserError(f"cannot load model {path!r}: {type(e).__name__}: {str(e).strip().splitlines()[0]}") from None
 
 
+def base_model(path: str, task: dict | None):
+    """The model fine-tuning started from: a ``.keras`` file, or a preset folder (``task``: what was built on it)."""
+    return base_from_preset(path, task) if is_preset(path) else load_model(path)
+
+
 def _saved_freezing_optimizer(path: str) -> dict | None:
     """The config of the ``FreezingOptimizer`` saved in a ``.keras`` file's compile config, or None."""
     try:
         with zipfile.ZipFile(path) as z:
             config = json.loads(z.read("config.json"))
-    except (OSError, KeyError, zipfile.BadZipFile, ValueError):
+    except (OSError, KeyError):
         return None
+    except (zipfile.BadZipFile, zlib.error, ValueError) as e:  # a checksum or JSON that does not read: damaged
+        raise UserError(f"{path!r} is damaged: its config.json does not read ({type(e).__name__}: {e})") from None
     opt = (config.get("compile_config") or {}).get("optimizer")
     while isinstance(opt, dict):
         if opt.get("class_name") == "FreezingOptimizer":

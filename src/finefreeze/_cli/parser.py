@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
-__all__ = ["build_parser"]
+__all__ = ["EXPORTED", "REBUILT", "build_parser"]
 
 _PRESET_HELP = (
     "a .keras model, or a KerasHub preset folder (save_to_preset, or a Hugging Face checkpoint folder "
     "KerasHub converts); default: the bundled text model"
 )
+#: what ``delta export`` and ``delta apply`` write in the run folder when ``-o`` is not given
+EXPORTED, REBUILT = "exported-delta.safetensors", "rebuilt.keras"
 _PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
 
 
@@ -43,7 +45,7 @@ def _finetune(sub, fn: Callable) -> None:
         fn,
         "fine-tune a model under a plan (bundled example by default)",
         "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
-        "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to --out. "
+        "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to the run folder (-o/--out). "
         "MODEL may be a KerasHub preset folder with text data (--data texts.csv). "
         "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
         "plan that trains only the new embedding rows and the head.",
@@ -66,12 +68,13 @@ def _finetune(sub, fn: Callable) -> None:
         choices=["auto", "restore", "compact", "mask"],
         help="how partially frozen variables are enforced (default: auto)",
     )
-    ft.add_argument("--out", default="finefreeze-out", help="output directory (default: ./finefreeze-out)")
-    ft.add_argument("--force", action="store_true", help="replace the files of a previous run in --out")
+    ft.add_argument("-o", "--out", default="finefreeze-out", help="the run folder to write (default: ./finefreeze-out)")
+    ft.add_argument("--force", action="store_true", help="replace the files of a previous run in the run folder")
     ft.add_argument(
         "--resume",
         action="store_true",
-        help="continue the interrupted run in --out from its last finished epoch (same command line otherwise)",
+        help="continue the interrupted run in the run folder from its last finished epoch "
+        "(same command line otherwise)",
     )
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
     ft.add_argument(
@@ -80,7 +83,9 @@ def _finetune(sub, fn: Callable) -> None:
         help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
     )
     ft.add_argument(
-        "--budget", default=None, help="with --select: a fraction (0.01) or a count of elements (default: 0.01)"
+        "--budget",
+        default=None,
+        help="with --select: a fraction (0.01), a percent (1%%) or a count of elements (5000) (default: 1%%)",
     )
 
 
@@ -122,7 +127,7 @@ def _delta(sub, export: Callable, apply: Callable) -> None:
         "Write the trainable elements of TUNED under PLAN to a .safetensors delta.",
     )
     ex.add_argument("tuned", help="the fine-tuned .keras model")
-    ex.add_argument("-o", "--output", required=True, help="the .safetensors file to write")
+    ex.add_argument("-o", "--out", help=f"the .safetensors file to write (default: {EXPORTED} beside TUNED)")
     ex.add_argument("--plan", help=_PLAN_HELP.format("TUNED"))
     ex.add_argument("--force", action="store_true", help="replace an existing output file")
     ap = _command(
@@ -130,10 +135,11 @@ def _delta(sub, export: Callable, apply: Callable) -> None:
         "apply",
         apply,
         "apply delta files to their base model",
-        "Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result. Several deltas "
-        "trained on disjoint elements of BASE combine (as merge_deltas); overlapping ones are refused.",
+        "Apply DELTA to BASE (refused if BASE's frozen part differs) and save the result with the plan it "
+        "was trained under, so that `finefreeze verify BASE OUT` checks it. Several deltas trained on disjoint "
+        "elements of BASE combine (as merge_deltas); overlapping ones are refused.",
     )
     ap.add_argument("base", help="the .keras base model, or the KerasHub preset folder fine-tuning started from")
     ap.add_argument("delta", nargs="+", help="one or more .safetensors deltas of BASE")
-    ap.add_argument("-o", "--output", required=True, help="the .keras file to write")
+    ap.add_argument("-o", "--out", help=f"the .keras file to write (default: {REBUILT} beside the first DELTA)")
     ap.add_argument("--force", action="store_true", help="replace an existing output file")

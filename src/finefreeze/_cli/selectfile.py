@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 
 from finefreeze._backends.randomness import set_seed
 from finefreeze._cli.finetune import UserError, loss_for
 from finefreeze._cli.inputs import data_kind, training_inputs
 from finefreeze._cli.presets import new_head
-from finefreeze._errors import PlanError
+from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._select.scores import SCORES
 from finefreeze._select.select import select
 
 __all__ = ["select_to_file", "SCORES"]
 
 
-def _budget(text: str) -> float | int:
+def _budget(text: str) -> float | int | str:
+    """``--budget`` as :func:`finefreeze.select` takes it: an int count, a float fraction or a percent string."""
+    if text.strip().endswith("%"):
+        return text  # select checks it
     try:
         return int(text)
     except ValueError:
@@ -24,7 +29,7 @@ def _budget(text: str) -> float | int:
         return float(text)
     except ValueError:
         raise UserError(
-            f"--budget {text!r}: give a fraction such as 0.01 or a count of elements such as 5000"
+            f"--budget {text!r}: give a fraction such as 0.01, a percent such as 1% or a count of elements such as 5000"
         ) from None
 
 
@@ -52,9 +57,16 @@ def select_to_file(
     loss, _ = loss_for(model, y)
     head = new_head(model)  # a preset's new head always trains: it starts random, and a delta must carry it
     try:
-        plan = select(model, (x, y), budget=b, score=score, loss=loss, include=head or None, verbose=0)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", FreezeWarning)
+            plan = select(model, (x, y), budget=b, score=score, loss=loss, include=head or None, options={"verbose": 0})
     except PlanError as e:
         raise UserError(f"--select {score} --budget {budget}: {e}") from None
+    for w in said:  # a count that looks like a percent, say: one line, as the command's own errors
+        if issubclass(w.category, FreezeWarning):
+            print(f"finefreeze finetune: warning: {w.message}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "selected-plan.json")
     plan.save(path)

@@ -2,5 +2,5 @@
 
 Package data (``*.npz``) lives beside the modules.
 
-May import: every room below it (``_callbacks`` and those it uses) and ``finefreeze.layers``.
+May import: every room below it (``_callbacks`` and those it uses).
 """

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 
 from finefreeze._backends.randomness import set_seed
-from finefreeze.layers import PositionEmbedding
+from finefreeze._data.layers import PositionEmbedding
 
 __all__ = [
     "build_text_model",

@@ -134,7 +134,7 @@ class Enforcer:
             elif self.block is not None and not is_sparse(grad):
                 g = take_block(grad, self.block)
             else:
-                g = take_trainable(grad, idx, self.shape, self.block)
+                g = take_trainable(grad, idx, self.shape)
             return g, (values if self.scale is not None else None)
         old = snapshot(self.variable) if self.needs_snapshot() else None
         if grad is None or self.kind == Kind.TRAIN:

@@ -34,16 +34,19 @@ from finefreeze._resolve.resolve import FROZEN, TRAINABLE, UNTRAINED, Resolution
 from finefreeze._resolve.standins import is_standin, kernel_of
 from finefreeze._resolve.targets import match_path, var_path
 from finefreeze._slices.choose import exact_block, slice_eligible, sliced_gradient, standin_of
+from finefreeze._version import __version__
 
 __all__ = [
+    "LAYOUT_VERSION",
     "Layout",
     "VarLayout",
+    "check_saved",
     "refuse_unknown",
+    "saved_problem",
 ]
 
-#: 3 saves each variable's kind under "kind" (and, for release 0.1's reader, under "strategy" too);
-#: 2 (release 0.1) under "strategy"; 1 listed frozen paths only
-LAYOUT_VERSION = 3
+#: the ``version`` of a saved layout: the one format this version writes and reads
+LAYOUT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,7 +86,7 @@ class VarLayout:
         return KINDS[self.kind].enforced
 
     def to_config(self) -> dict:
-        entry = {"path": self.path, "kind": self.kind, "strategy": self.kind, "shape": list(self.shape)}
+        entry = {"path": self.path, "kind": self.kind, "shape": list(self.shape)}
         if self.enforced:
             entry["n_trainable"] = int(self.n_trainable)
         if self.kind != Kind.FROZEN:
@@ -122,6 +125,42 @@ def refuse_unknown(res: Resolution, var_list) -> None:
             )
 
 
+def saved_problem(config) -> str | None:
+    """What keeps ``config`` from being a saved layout of format :data:`LAYOUT_VERSION`, or None."""
+    version = config.get("version") if isinstance(config, dict) else None
+    if version is None:
+        return "has no format version"
+    if version != LAYOUT_VERSION:
+        return f"is format {version!r}"
+    if not _well_formed(config.get("variables")):
+        return f"is format {version!r} but lacks entries that format holds"
+    return None
+
+
+def check_saved(config) -> None:
+    """Raise unless ``config``, a model file's saved layout, is of format :data:`LAYOUT_VERSION`.
+
+    Raises:
+        PlanError: names the file, the format found and the one this version reads, and how to save it again.
+    """
+    problem = saved_problem(config)
+    if problem is not None:
+        raise PlanError(
+            f"the freeze layout in this model file's optimizer config {problem}; finefreeze {__version__} reads "
+            f"format {LAYOUT_VERSION} only. Save the model again with finefreeze {__version__}: "
+            "keras.models.load_model(path, compile=False), compile it with ff.Freezer(model, plan).wrap(optimizer), "
+            "then model.save(path)."
+        )
+
+
+def _well_formed(entries) -> bool:
+    """Whether ``entries`` are the variables of a saved layout: each with a path, a kind and a shape."""
+    return isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and e.get("kind") in tuple(KINDS) and "shape" in e
+        for e in entries
+    )
+
+
 def _twins(entries: dict, paths: list[str]) -> dict[str, list[dict]]:
     """Entries of variables whose Keras path several variables share, in order, by that path.
 
@@ -146,19 +185,18 @@ class Layout:
         >>> from finefreeze._enforce.layout import Layout
         >>> w = keras.Variable(np.zeros((4, 50), "float32"), name="w")
         >>> frz = ff.Freezer([w], ff.Plan([ff.freeze("w[1:]")]))
-        >>> Layout.from_resolution(frz.resolution, "auto", keras.optimizers.Adam()).get(w).kind
+        >>> Layout.from_resolution(frz._res, "auto", keras.optimizers.Adam()).get(w).kind
         'restore'
-        >>> Layout.from_resolution(frz.resolution, "auto", keras.optimizers.Lamb()).get(w).kind
+        >>> Layout.from_resolution(frz._res, "auto", keras.optimizers.Lamb()).get(w).kind
         'restore'
     """
 
-    def __init__(self, entries: Iterable[tuple[Any, VarLayout]], strategy: str, legacy: bool = False):
+    def __init__(self, entries: Iterable[tuple[Any, VarLayout]], strategy: str):
         pairs = list(entries)
         self._by_id = {id(v): e for v, e in pairs}
         self._entries = tuple({id(e): e for _, e in pairs}.values())
         self._by_path = {e.path: e for e in self._entries}
         self.strategy = strategy
-        self.legacy = legacy  # a saved layout of release 1: variables it does not list train
 
     @classmethod
     def from_resolution(cls, res: Resolution, strategy: str, inner=None, var_list=None) -> Layout:
@@ -206,18 +244,11 @@ class Layout:
         """The layout a saved optimizer config records, matched to ``var_list`` by path.
 
         Raises:
-            PlanError: a variable of ``var_list`` is not in the layout (version 2 or later), or the
-                layout is newer than this release reads.
+            PlanError: a layout of another format (:func:`check_saved`), or a variable of
+                ``var_list`` the layout does not list.
         """
-        version = config.get("version", 1)
-        if version > LAYOUT_VERSION:
-            raise PlanError(
-                f"the saved freeze layout is version {version}, newer than this finefreeze reads "
-                f"({LAYOUT_VERSION}); upgrade finefreeze to load this model file."
-            )
-        legacy = version < 2  # release 1 listed frozen variables only: the others train
+        check_saved(config)
         entries = {e["path"]: e for e in config["variables"]}
-        entries.update({p: {"path": p, "kind": Kind.FROZEN} for p in config.get("frozen", ())})
         pairs = []
         var_list = [v for v in var_list if not is_standin(v)]  # stand-ins are their kernels' (the Freezer's)
         twins = _twins(entries, [var_path(v) for v in var_list])
@@ -230,20 +261,18 @@ class Layout:
                 else match_path(path, entries, "variable (in the saved freeze layout)")
             )
             if e is None:
-                if not legacy:
-                    raise PlanError(
-                        f"the optimizer is being built on {var_path(v)!r}, which its saved freeze layout "
-                        f"does not list (it lists {len(entries)} variables). Compile this model with an "
-                        "optimizer from a Freezer of this model."
-                    )
-                e = {"path": var_path(v), "kind": Kind.TRAIN}
-            kind = e["kind"] if "kind" in e else e["strategy"]  # "strategy": layouts of versions 1 and 2
+                raise PlanError(
+                    f"the optimizer is being built on {var_path(v)!r}, which its saved freeze layout "
+                    f"does not list (it lists {len(entries)} variables). Compile this model with an "
+                    "optimizer from a Freezer of this model."
+                )
+            kind = e["kind"]
             scale = e.get("lr_scale", 1.0)
             if scale == "per-element":  # the values arrive with the optimizer variables on load
                 scale = np.ones(shape, np.float32)
             n = e.get("n_trainable", int(np.prod(shape, dtype=np.int64)) if kind == Kind.TRAIN else 0)
             pairs.append((v, VarLayout(e["path"] if path in twins else path, shape, kind, None, int(n), scale)))
-        return cls(pairs, strategy, legacy)
+        return cls(pairs, strategy)
 
     def to_config(self) -> dict:
         return {"version": LAYOUT_VERSION, "variables": [e.to_config() for e in self._entries]}

@@ -36,7 +36,7 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     """
     tensors: dict[str, np.ndarray] = {}
     meta_vars = {}
-    res = frz.resolution
+    res = frz._res
     for st in res.states:
         p, var, kind, mask = st.path, st.variable, res.kind_of(st), st.mask
         value = np.ascontiguousarray(np.asarray(var.numpy()))
@@ -58,13 +58,13 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     return write_file(path, tensors, meta_vars, plan, base=base)
 
 
-def write_file(path, tensors, variables, plan: str, *, base=None, fmt: str = deltafile.FORMAT) -> dict[str, Any]:
+def write_file(path, tensors, variables, plan: str, *, base=None) -> dict[str, Any]:
     """Write a delta atomically (temporary file, fsync, rename); return ``{path, bytes, tensors}``."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
     try:
-        deltafile.write(tensors, variables, plan, __version__, tmp, base=base, fmt=fmt)
+        deltafile.write(tensors, variables, plan, __version__, tmp, base=base)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         umask = os.umask(0)

@@ -1,12 +1,18 @@
-"""The delta file format (version 2): safetensors whose metadata vouches for every byte.
+"""The delta file format (``finefreeze.delta/1``): safetensors whose metadata vouches for every byte.
 
 Metadata entries (all strings, as safetensors requires):
 
-- ``format``: ``finefreeze.delta/2``; ``finefreeze``: the writing version;
-  ``plan``: the plan as JSON (informational);
-- ``variables``: JSON ``{path: {shape, dtype, kind, frozen?}}``, ``kind``
-  one of ``trainable``, ``untrained``, ``partial``, ``frozen``; ``frozen`` is
-  the digest of the variable's frozen part (see ``delta``);
+- ``format``: ``finefreeze.delta/1``, the one format this version reads;
+  ``finefreeze``: the writing version; ``plan``: the plan as JSON
+  (informational);
+- ``variables``: JSON ``{path: {shape, dtype, kind, frozen | checks}}``,
+  ``kind`` one of ``trainable``, ``untrained``, ``partial``, ``frozen``;
+  ``frozen`` is the digest of the variable's frozen part (see ``delta``);
+  a delta written by ``merge_deltas`` may carry ``checks`` instead: a list
+  of ``{"frozen": digest, "trained": key?}``, one per delta that was
+  merged, each the digest of the base with that delta's trained elements
+  (the indices stored under ``key::index`` or ``key::runs``; none: the
+  whole variable) zeroed. Every check must hold on the base;
 - ``base`` (optional): JSON naming what the delta was trained from (a
   KerasHub preset's path and sha256, the task built on it), so that the
   command line can rebuild that model;
@@ -14,14 +20,6 @@ Metadata entries (all strings, as safetensors requires):
   (``path`` for whole variables, ``path::index`` or ``path::runs`` and
   ``path::values`` for partially frozen ones);
 - ``checksum``: sha256 of the other entries, so damaged metadata is caught too.
-
-Format 3 (``finefreeze.delta/3``, written by ``merge_deltas`` only) is format
-2 where a variable may carry ``checks`` instead of ``frozen``: a list of
-``{"frozen": digest, "trained": key?}``, one per delta that was merged, each
-the digest of the base with that delta's trained elements (the indices
-stored under ``key::index`` or ``key::runs``; none: the whole variable)
-zeroed. Every check must hold on the base. ``save_delta`` keeps writing
-format 2, which release 0.3 reads.
 
 Files are written by :func:`write` itself, not by safetensors' ``save``,
 whose metadata order changes from process to process: the same delta is
@@ -43,13 +41,12 @@ import numpy as np
 
 from finefreeze._errors import DeltaError
 from finefreeze._kinds import STATES
+from finefreeze._version import __version__
 
-__all__ = ["FORMAT", "FORMAT_MERGED", "write", "read", "read_json", "encode_index", "decode_index", "stored_keys"]
+__all__ = ["FORMAT", "write", "read", "read_json", "encode_index", "decode_index", "stored_keys"]
 
-FORMAT = "finefreeze.delta/2"
-FORMAT_MERGED = "finefreeze.delta/3"
-_V1 = "finefreeze.delta/1"
-_READABLE = (FORMAT, FORMAT_MERGED)
+#: the ``format`` entry of every delta file; a file with any other is refused
+FORMAT = "finefreeze.delta/1"
 _SAFETENSORS_DTYPES = {
     "float64": "F64",
     "float32": "F32",
@@ -148,7 +145,6 @@ def write(
     path: str,
     *,
     base: dict | None = None,
-    fmt: str = FORMAT,
 ) -> None:
     """Write a delta to ``path`` (the caller makes it atomic); the same arguments give the same bytes."""
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
@@ -156,7 +152,7 @@ def write(
         k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in sorted(tensors.items())
     }
     meta = {
-        "format": fmt,
+        "format": FORMAT,
         "finefreeze": version,
         "plan": plan,
         "variables": json.dumps(variables),
@@ -208,20 +204,21 @@ def read_json(path: str, key: str) -> Any:
 
 
 def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The ``variables`` metadata and the tensors of a delta (format 2 or 3), every byte checked.
+    """The ``variables`` metadata and the tensors of a delta, every byte checked.
 
     Raises:
-        DeltaError: naming the tensor or metadata entry that is damaged, missing or extra.
+        DeltaError: a file of another format than :data:`FORMAT`, or naming
+            the tensor or metadata entry that is damaged, missing or extra.
     """
     meta, tensors = _open(path)
     fmt = meta.get("format")
-    if fmt == _V1:
+    if fmt != FORMAT:
+        found = "has no format entry" if fmt is None else f"is format {fmt!r}"
         raise DeltaError(
-            f"delta {path!r} is format 1 (no checksums), which this version no longer applies; export it again "
-            "from the tuned model: `finefreeze delta export TUNED.keras -o DELTA.safetensors` (or Freezer.save_delta)."
+            f"delta {path!r} {found}; finefreeze {__version__} reads delta files of format {FORMAT!r} only. "
+            f"Export it again with finefreeze {__version__} from the tuned model: "
+            "`finefreeze delta export TUNED.keras -o DELTA.safetensors` (or Freezer.save_delta)."
         )
-    if fmt not in _READABLE:
-        raise DeltaError(f"{path!r} is not a finefreeze delta file (format {fmt!r}, expected {FORMAT!r}).")
     if meta.get("checksum") != _meta_checksum(meta):
         raise DeltaError(f"delta {path!r}: its metadata is damaged (checksum mismatch); export it again.")
     where = "metadata"
@@ -249,6 +246,8 @@ def read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 raise DeltaError(f"{where} has unknown kind {info['kind']!r}")
             np.dtype(info["dtype"])
             [int(n) for n in info["shape"]]
+            if info["kind"] in ("partial", "frozen") and "checks" not in info:
+                str(info["frozen"])  # its one check of the base; without it the entry is malformed
             keys = stored_keys(p, info, tensors)
             missing = [k for k in keys if k not in tensors]
             if missing:

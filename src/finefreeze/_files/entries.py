@@ -159,11 +159,10 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
     return bound
 
 
-def encode(entries: dict[str, Entry]) -> tuple[dict[str, np.ndarray], dict[str, dict], bool]:
-    """The tensors and ``variables`` metadata of a file holding ``entries``; True if it needs format 3."""
+def encode(entries: dict[str, Entry]) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
+    """The tensors and ``variables`` metadata of a file holding ``entries``."""
     tensors: dict[str, np.ndarray] = {}
     meta: dict[str, dict] = {}
-    merged = False
     for p, e in entries.items():
         info: dict[str, Any] = {"shape": list(e.shape), "dtype": str(e.dtype), "kind": e.kind}
         if e.kind in ("trainable", "untrained"):
@@ -171,11 +170,10 @@ def encode(entries: dict[str, Entry]) -> tuple[dict[str, np.ndarray], dict[str, 
         elif e.kind == "partial":
             tensors.update(deltafile.encode_index(p, e.index))
             tensors[f"{p}::values"] = e.values
-        own = {"partial": e.index, "frozen": _EMPTY}.get(e.kind)  # what a format-2 file checks
+        own = {"partial": e.index, "frozen": _EMPTY}.get(e.kind)  # what "frozen" checks
         if len(e.checks) == 1 and own is not None and np.array_equal(e.checks[0][0], own):
-            info["frozen"] = e.checks[0][1]  # format 2: the check of its own trained elements
+            info["frozen"] = e.checks[0][1]  # the check of its own trained elements
         elif e.checks or e.kind in ("partial", "frozen"):
-            merged = True
             info["checks"] = []
             for k, (trained, d) in enumerate(e.checks):
                 c = {"frozen": d}
@@ -184,4 +182,4 @@ def encode(entries: dict[str, Entry]) -> tuple[dict[str, np.ndarray], dict[str, 
                     tensors.update(deltafile.encode_index(c["trained"], trained))
                 info["checks"].append(c)
         meta[p] = info
-    return tensors, meta, merged
+    return tensors, meta

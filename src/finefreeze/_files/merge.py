@@ -2,7 +2,7 @@
 
 Applying the merged delta equals applying each of them: its written
 elements are the union of theirs, and it keeps every check each of them
-makes on the base (format 3, :mod:`finefreeze._files.deltafile`), so it
+makes on the base (its ``checks``, :mod:`finefreeze._files.deltafile`), so it
 refuses any base one of them would refuse.
 """
 
@@ -106,7 +106,7 @@ def merge_deltas(paths: list[str | os.PathLike], out_path: str | os.PathLike) ->
 
     Each file is read and checked in full first; nothing is written unless
     every check passes. The merged file keeps every delta's check of the
-    base (format ``finefreeze.delta/3``), so ``load_delta`` and
+    base (each variable's ``checks``), so ``load_delta`` and
     ``DeltaSwitch`` refuse any base one of them would refuse.
 
     Args:
@@ -155,8 +155,8 @@ def merge_deltas(paths: list[str | os.PathLike], out_path: str | os.PathLike) ->
     if same:
         raise DeltaError(f"merge_deltas: out_path {out_path!r} is one of the deltas to merge; write to a new file.")
     entries = merge_entries([(p, read_entries(p)) for p in paths])
-    tensors, variables, _ = encode(entries)
+    tensors, variables = encode(entries)
     plans = sorted((deltafile.read_json(p, "plan") for p in paths), key=lambda p: json.dumps(p, sort_keys=True))
-    info = write_file(out_path, tensors, variables, json.dumps({"merged": plans}), fmt=deltafile.FORMAT_MERGED)
+    info = write_file(out_path, tensors, variables, json.dumps({"merged": plans}))
     info["elements"] = sum(e.elements for e in entries.values())
     return info

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 from finefreeze._backends.distribute import owner_scope
+from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._errors import PlanError
 from finefreeze._keras.optimizers import forget_positions
 from finefreeze._kinds import STRATEGIES, State
@@ -29,7 +30,7 @@ from finefreeze._report.report import KERAS_WORDS, build_report, format_summary
 from finefreeze._resolve.resolve import Resolution, VarState, closest
 from finefreeze._slices.choose import slice_eligible, standin_of
 
-__all__ = ["FreezerBase", "as_plan"]
+__all__ = ["FreezerBase", "as_plan", "refuse_graph"]
 
 
 def as_plan(plan: Plan | list) -> Plan:
@@ -43,6 +44,25 @@ def as_plan(plan: Plan | list) -> Plan:
     if not isinstance(plan, Plan):
         raise PlanError(f"plan must be an ff.Plan or a list of rules, got {type(plan).__name__}.")
     return plan
+
+
+def refuse_graph(target: Any) -> None:
+    """Refuse a ``tf.compat.v1`` graph target: ``ff.tf1.Freezer`` freezes graph code.
+
+    Raises:
+        PlanError: ``target`` is a graph, a graph variable, or a list or
+            ``tf.Module`` of them.
+    """
+    if tensorflow_imported() is None:
+        return  # a graph exists only once TensorFlow is imported
+    from finefreeze._tf1.target import is_graph_target  # TensorFlow's v1 pieces: graph code only
+
+    if is_graph_target(target):
+        raise PlanError(
+            f"ff.Freezer takes Keras models, layers, tf.Module objects and variables; this {type(target).__name__} "
+            "holds tf.compat.v1 graph variables: use ff.tf1.Freezer(target, plan), which has var_list and "
+            "minimize (docs/tf1.md)."
+        )
 
 
 class FreezerBase(abc.ABC):
@@ -62,6 +82,8 @@ class FreezerBase(abc.ABC):
     _words: dict = KERAS_WORDS
     #: what the target is called in messages
     _target_word = "target"
+    #: how sliced kernels get their weight gradient (``Freezer(..., gradients=)``; graphs: dense)
+    _gradients = "dense"
 
     def __init__(self, plan: Plan | list, strategy: str):
         self._plan_given = as_plan(plan)
@@ -81,43 +103,28 @@ class FreezerBase(abc.ABC):
         return self._res.plan
 
     @property
-    def strategy(self) -> str:
-        """The requested strategy for partially frozen variables."""
-        return self._strategy
-
-    @property
-    def gradients(self) -> str:
-        """How sliced kernels get their weight gradient: ``"auto"``, ``"sliced"`` or ``"dense"`` (graphs: dense)."""
-        return getattr(self, "_gradients", "dense")
-
-    @property
-    def slicing(self) -> str:
+    def _slicing(self) -> str:
         """The ``gradients`` mode the layers follow: the Freezer's, or ``"dense"`` under ``restore`` and ``mask``.
 
         A sliced layer hands its trained elements' gradient to a variable of
         their own, ``compact``'s vector; ``restore`` and ``mask`` hold state
         for the whole variable and take its whole gradient, Keras' own.
         """
-        return self.gradients if self.strategy in ("auto", "compact") else "dense"
+        return self._gradients if self._strategy in ("auto", "compact") else "dense"
 
     @property
-    def held_dense(self) -> list[str]:
+    def _held_dense(self) -> list[str]:
         """``gradients="auto"``: paths of kernels on the dense gradient since their slice moved often (``Reselect``)."""
         return sorted(getattr(self, "_held", ()))
 
-    def gradients_record(self) -> dict:
+    def _gradients_record(self) -> dict:
         """What the optimizer saves of the gradients: ``{"mode", "held_dense", "sliced"}`` (paths the mode slices or samples)."""
         sliced = [
             s.path
-            for s in self.resolution.states
+            for s in self._res.states
             if s.info.owner is not None and slice_eligible(s.info.owner, s.variable) is not None
         ]
-        return {"mode": self.gradients, "held_dense": self.held_dense, "sliced": sliced}
-
-    @property
-    def resolution(self) -> Resolution:
-        """The immutable resolution of the plan against the target."""
-        return self._res
+        return {"mode": self._gradients, "held_dense": self._held_dense, "sliced": sliced}
 
     @property
     def trainable_variables(self) -> list:
@@ -164,27 +171,27 @@ class FreezerBase(abc.ABC):
         """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
         return self._state(path).state
 
-    def optimizers(self) -> list:
+    def _optimizers(self) -> list:
         """The live ``FreezingOptimizer`` s that enforce this Freezer's plan (none for a graph Freezer)."""
         return []
 
     @abc.abstractmethod
-    def strategy_for(self, path: str) -> str | None:
+    def _strategy_for(self, path: str) -> str | None:
         """The strategy that enforces a partially frozen variable (None for others)."""
 
     # -- history ----------------------------------------------------------------
-    def follow_standins(self) -> None:
+    def _follow_standins(self) -> None:
         """Rebuild built optimizers on the stand-ins the layers hand gradients to now (a loaded model's, say).
 
         An optimizer built before a layer got (or lost) its stand-in holds its
         compact vector itself; the state of every element is carried over.
         """
-        var_list = self.trainable_variables_for_build()
+        var_list = self._build_variables()
         rebuilt = False
-        for opt in self.optimizers():
+        for opt in self._optimizers():
             if opt.built:
                 with owner_scope(var_list):
-                    opt.commit_change(self._res, opt.prepare_change(self._res, var_list), var_list)
+                    opt._commit_change(self._res, opt._prepare_change(self._res, var_list), var_list)
                 rebuilt = True
         if rebuilt:
             self._rebuild_outer(var_list)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Any
 
@@ -10,12 +9,11 @@ import keras
 
 from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.distribute import check_optimizer, check_scope, owner_scope
-from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._enforce.layout import Layout
 from finefreeze._errors import FrozenValueChanged, PlanError
 from finefreeze._files.delta import save_delta
-from finefreeze._freezer.base import FreezerBase, as_plan
-from finefreeze._freezer.keras_flags import honour_flags, set_flags, warn_switched_off, warn_switched_on
+from finefreeze._freezer.base import FreezerBase, as_plan, refuse_graph
+from finefreeze._freezer.keras_flags import flag_changes, honour_flags, set_flags, warn_switched_off, warn_switched_on
 from finefreeze._freezer.reload import Resumable
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
@@ -42,9 +40,7 @@ class Freezer(Resumable, FreezerBase):
 
     Args:
         target: a Keras model or layer, a ``tf.Module``, or a list of
-            variables; or a ``tf.compat.v1`` graph, graph variable or list
-            of them (then the Freezer has ``var_list`` and ``minimize``, see
-            docs/tf1.md).
+            variables (``tf.compat.v1`` graph code: ``ff.tf1.Freezer``).
         plan: the :class:`Plan` (a list of rules is accepted too).
         strategy: how partially frozen variables are enforced by
             :meth:`wrap`: ``"auto"``, ``"restore"``, ``"compact"``, ``"mask"``.
@@ -55,7 +51,7 @@ class Freezer(Resumable, FreezerBase):
             of that slice only where ``benchmarks/`` measured it cheaper, the
             others the whole one; ``"sliced"``: every slice; ``"dense"``:
             every kernel's whole weight gradient, as plain Keras computes it
-            (docs/strategies.md).
+            (docs/guarantees.md).
 
     Raises:
         PlanError: the plan does not resolve against ``target``.
@@ -69,24 +65,6 @@ class Freezer(Resumable, FreezerBase):
         ['net/head/kernel', 'net/head/bias']
     """
 
-    @classmethod
-    def __subclasshook__(cls, other):
-        # ff.Freezer is the public type of every kind of Freezer (the graph Freezer shares the base, not the class)
-        if cls is Freezer and issubclass(other, FreezerBase):
-            return True
-        return NotImplemented
-
-    def __new__(cls, *args: Any, **kwargs: Any):
-        # tf.compat.v1 graph targets get a GraphFreezer; a graph exists only once TensorFlow is imported
-        target = args[0] if args else kwargs.get("target")
-        if cls is Freezer and tensorflow_imported() is not None:
-            from finefreeze._freezer.graph import GraphFreezer  # imports TensorFlow's v1 pieces: graphs only
-            from finefreeze._tf1.target import is_graph_target
-
-            if is_graph_target(target):
-                return GraphFreezer(*args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, target: Any, plan: Plan | list, *, strategy: str = "auto", gradients: str = "auto"):
         super().__init__(plan, strategy)
         if gradients not in GRADIENTS:
@@ -96,6 +74,7 @@ class Freezer(Resumable, FreezerBase):
             )
         self._gradients = gradients
         self._held: set[str] = set()  # gradients="auto": kernels kept dense (their slice moves with Reselect)
+        refuse_graph(target)
         self._target = collect(target)
         check_scope(
             [vi.variable for vi in self._target.variables], "the Freezer", [vi.path for vi in self._target.variables]
@@ -104,14 +83,14 @@ class Freezer(Resumable, FreezerBase):
         self._wrapped: list = []  # weak references to optimizers made by wrap()
         self._earlier: list[tuple[str, str]] = []  # violations found at plan changes
         #: how many checkpoints were loaded into the model's optimizer (``load_weights``, ``BackupAndRestore``)
-        self.checkpoint_loads = 0
+        self._checkpoint_loads = 0
         #: the class and config of the optimizer wrapped last (the summary's state column names it)
-        self.last_wrapped = None
-        self.activate()
+        self._last_wrapped = None
+        self._activate()
         self._record(0, retraced=False)
 
     @property
-    def layout(self) -> Layout:
+    def _layout(self) -> Layout:
         """The per-variable layout in force.
 
         The layout of the optimizer compiled into the model, else of the
@@ -121,14 +100,14 @@ class Freezer(Resumable, FreezerBase):
         shows ``compact``.
         """
         compiled = find_freezing_optimizer(self._target.obj)
-        if compiled is not None and compiled.freezer is self and compiled.layout is not None:
-            return compiled.layout  # the one that trains the model
-        opts = [o for o in self.optimizers() if o.layout is not None]
+        if compiled is not None and compiled._freezer is self and compiled._layout is not None:
+            return compiled._layout  # the one that trains the model
+        opts = [o for o in self._optimizers() if o._layout is not None]
         if opts:
-            return opts[-1].layout
+            return opts[-1]._layout
         return Layout.from_resolution(self._res, self._strategy, None)
 
-    def strategy_for(self, path: str) -> str | None:
+    def _strategy_for(self, path: str) -> str | None:
         """The strategy that enforces a partially frozen variable (None for others).
 
         Read from :attr:`layout`, so it is what the optimizer does.
@@ -136,7 +115,7 @@ class Freezer(Resumable, FreezerBase):
         st = self._state(path)
         if st.state != PARTIAL:
             return None
-        return self.layout.get(st.variable).kind
+        return self._layout.get(st.variable).kind
 
     # -- flags and fingerprints ----------------------------------------------
     def activate(self) -> Freezer:
@@ -148,30 +127,39 @@ class Freezer(Resumable, FreezerBase):
         rebuilt on this plan's variables (as :meth:`update` does). Training
         with an optimizer whose plan is not in force warns (``FreezeWarning``).
 
+        A ``layer.trainable`` switched since this Freezer set the flags
+        becomes a rule at the end of its plan, with a ``FreezeWarning``.
+
         Returns:
             self.
         """
+        plan = honour_flags(self, self._res.plan)
+        if plan is not self._res.plan:
+            return self._update(plan)
+        warn_switched_on(self._target, self._res)
+        return self._activate()
+
+    def _activate(self) -> Freezer:
         set_flags(self._target, self._res)
-        sliced = set_sliced(self._target, self._res, self, self.slicing, self._held)
-        if any(o.built and o.trains_outside() for o in self.optimizers()):
-            return self.update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
+        sliced = set_sliced(self._target, self._res, self, self._slicing, self._held)
+        if any(o.built and o._trains_outside() for o in self._optimizers()):
+            return self._update(self._res.plan)  # built under another Freezer's flags: rebuilt on this plan's
         if sliced:
-            self.follow_standins()
+            self._follow_standins()
         self._retrace()
         self._fingerprint = self._take_fingerprint()
         return self
 
-    @property
-    def target(self):
-        """The collected target: its object (``target.obj``), layers and variables with their paths."""
-        return self._target
+    def _switched(self) -> list[str]:
+        """The ``layer.trainable`` switches made since this Freezer set the flags (its optimizer warns of them)."""
+        return [what for what, _ in flag_changes(self._target, self._res)]
 
-    def rebase(self) -> None:
+    def _rebase(self) -> None:
         """Take the frozen baseline from the weights as they are now (a run resumed from a checkpoint)."""
-        self.sync()
+        self._sync()
         self._fingerprint = self._take_fingerprint()
 
-    def sync(self) -> None:
+    def _sync(self) -> None:
         """Bring the variables up to date before reading or changing them (callbacks inside ``fit`` call it).
 
         Keras' JAX trainer keeps the training state outside the variables
@@ -182,7 +170,7 @@ class Freezer(Resumable, FreezerBase):
         if sync is not None:
             sync()
 
-    def trainable_variables_for_build(self) -> list:
+    def _build_variables(self) -> list:
         """What ``fit`` builds the optimizer on: the model's trainable variables (or this Freezer's)."""
         obj = self._target.obj
         return list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
@@ -192,14 +180,14 @@ class Freezer(Resumable, FreezerBase):
         if isinstance(obj, keras.Model) and getattr(obj, "train_function", None) is not None:
             obj.make_train_function(force=True)
 
-    def optimizers(self) -> list[FreezingOptimizer]:
+    def _optimizers(self) -> list[FreezingOptimizer]:
         """The live ``FreezingOptimizer`` s of this Freezer: those it wrapped, and one compiled into a loaded model.
 
         Reports and ``update`` read them; ``Freezer.of`` binds a loaded model's optimizer.
         """
         opts = [o for o in (r() for r in self._wrapped) if o is not None]
         compiled = find_freezing_optimizer(self._target.obj)
-        if compiled is not None and compiled.freezer is None and compiled not in opts:  # a loaded model's
+        if compiled is not None and compiled._freezer is None and compiled not in opts:  # a loaded model's
             opts.append(compiled)
         return opts
 
@@ -218,7 +206,9 @@ class Freezer(Resumable, FreezerBase):
         keep their state; released ones get a fresh optimizer's (zero moments,
         an EMA average equal to their value, a step count from now on).
         ``verify()`` keeps checking what was frozen before the change, up to
-        the change, and checks newly frozen elements from now on. ``fit``
+        the change, and checks newly frozen elements from now on. A
+        ``layer.trainable`` switched since the flags were set becomes a rule
+        at the end of ``plan``, with a ``FreezeWarning``. ``fit``
         picks up the retraced function itself; a custom loop wraps its step
         in a new ``tf.function`` when ``history[-1]["retraced"]`` is True.
 
@@ -251,38 +241,44 @@ class Freezer(Resumable, FreezerBase):
         """
         if not isinstance(often, bool):
             raise PlanError(f"update(..., often={often!r}): give True (the plan changes again soon) or False")
-        plan = as_plan(plan)
-        self.sync()
+        given = as_plan(plan)
+        plan = honour_flags(self, given)
+        if plan is given:
+            warn_switched_on(self._target, self._res)
+        return self._update(plan, often)
+
+    def _update(self, plan: Plan, often: bool = False) -> Freezer:
+        self._sync()
         res = resolve(plan, self._target)
-        opts = self.optimizers()
+        opts = self._optimizers()
         old, held = self._res, set(self._held)
         # Everything that can refuse the plan runs before anything changes.
         self._res = res
         try:
             flags_changed = set_flags(self._target, self._res)
-            flags_changed |= set_sliced(self._target, self._res, self, self.slicing, self._held, often)
-            var_list = self.trainable_variables_for_build()
-            layouts = [opt.prepare_change(res, var_list) for opt in opts]
+            flags_changed |= set_sliced(self._target, self._res, self, self._slicing, self._held, often)
+            var_list = self._build_variables()
+            layouts = [opt._prepare_change(res, var_list) for opt in opts]
         except Exception:
             self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self.slicing, self._held)
+            set_sliced(self._target, self._res, self, self._slicing, self._held)
             raise
-        step = self.step
+        step = self._step
         earlier = [(p, f"{w} (before the plan change at step {step})") for p, w in self._fingerprint.check()]
-        undo = [opt.begin_change() for opt in opts]
+        undo = [opt._begin_change() for opt in opts]
         retrace = True
         try:
             retrace = flags_changed
             with owner_scope(var_list):  # new optimizer variables must be mirrored like the model's
                 for opt, layout in zip(opts, layouts):
-                    retrace |= opt.commit_change(res, layout, var_list)
+                    retrace |= opt._commit_change(res, layout, var_list)
         except BaseException:
             for u in undo:
-                opts[0].undo_change(u)
+                opts[0]._undo_change(u)
             self._res, self._held = old, held
             set_flags(self._target, self._res)
-            set_sliced(self._target, self._res, self, self.slicing, self._held)
+            set_sliced(self._target, self._res, self, self._slicing, self._held)
             self._retrace()
             raise
         self._earlier += earlier
@@ -294,10 +290,10 @@ class Freezer(Resumable, FreezerBase):
         return self
 
     @property
-    def step(self) -> int:
+    def _step(self) -> int:
         """The optimizer step of this Freezer's first optimizer (0 without one); ``FreezeSchedule`` reads it."""
-        self.sync()
-        opts = self.optimizers()
+        self._sync()
+        opts = self._optimizers()
         return int(to_numpy(opts[0].iterations)) if opts else 0
 
     def _take_fingerprint(self):
@@ -330,7 +326,7 @@ class Freezer(Resumable, FreezerBase):
               w: 1 frozen element(s) differ at (0, 1) (shape (2, 2))
             ...
         """
-        self.sync()
+        self._sync()
         if reference is None:
             if self._earlier:
                 bad = self._earlier + self._fingerprint.check()
@@ -351,10 +347,16 @@ class Freezer(Resumable, FreezerBase):
             strategy: overrides the Freezer's strategy.
             step_count: ``"release"`` (a released element counts steps from its release) or ``"global"``.
 
+        The first ``wrap`` takes the fingerprint that :meth:`verify` checks
+        anew: the weights the model is compiled with (a checkpoint loaded
+        after the Freezer was made, say) are the frozen baseline.
+
         Returns:
             The wrapping ``FreezingOptimizer``.
         """
-        honour_flags(self)  # layer.trainable switched since the flags were set: rules of the plan
+        plan = honour_flags(self, self._res.plan)  # layer.trainable switched since the flags were set
+        if plan is not self._res.plan:
+            self._update(plan)
         warn_switched_on(self._target, self._res)
         warn_switched_off(self._res)
         variables = [vi.variable for vi in self._target.variables]
@@ -364,13 +366,15 @@ class Freezer(Resumable, FreezerBase):
         if strategy not in self._strategies:
             raise PlanError(self._strategy_refusal(strategy))
         layout = Layout.from_resolution(self._res, strategy, optimizer)
-        opt = FreezingOptimizer(
-            optimizer, self._res.plan, strategy=strategy, step_count=step_count, _resolution=self._res, _layout=layout
-        )
-        opt.refuse_nan(layout)
-        opt.bind_freezer(self, strong=True)  # the optimizer keeps its Freezer (and its stand-ins) alive
+        opt = FreezingOptimizer(optimizer, self._res.plan, strategy=strategy, step_count=step_count)
+        opt._start_from(resolution=self._res, layout=layout)
+        opt._refuse_nan(layout)
+        opt._bind_freezer(self, strong=True)  # the optimizer keeps its Freezer (and its stand-ins) alive
         self._wrapped.append(weakref.ref(opt))
-        self.last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
+        if len(self._wrapped) == 1 and not self._earlier:
+            # the first optimizer starts training: weights loaded since the Freezer was made are the baseline
+            self._rebase()
+        self._last_wrapped = describe(optimizer)  # the summary names it, even once the wrapper is dropped
         return opt
 
     # -- delta files -------------------------------------------------------------
@@ -389,9 +393,3 @@ class Freezer(Resumable, FreezerBase):
             ``{"path", "bytes", "tensors"}``.
         """
         return save_delta(self, path)
-
-
-# inspect.signature(Freezer) shows __init__'s parameters, not those of the dispatching __new__
-Freezer.__signature__ = inspect.signature(Freezer.__init__).replace(
-    parameters=list(inspect.signature(Freezer.__init__).parameters.values())[1:]
-)

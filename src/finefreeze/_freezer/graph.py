@@ -1,11 +1,10 @@
 """Freezers over the variables of a ``tf.compat.v1`` graph, read through a session.
 
-``ff.Freezer(target, plan)`` returns a :class:`GraphFreezer` when ``target``
-is a ``tf.Graph`` (its ``TRAINABLE_VARIABLES`` collection), a graph variable
-or a list of them. Plans resolve with the same selectors, indices and rules
+``ff.tf1.Freezer(target, plan)`` takes a ``tf.Graph`` (its
+``TRAINABLE_VARIABLES`` collection), a graph variable or a list of them. Plans resolve with the same selectors, indices and rules
 as for Keras models; values (for ``where=``, the fingerprint and
 ``verify()``) are read through a ``tf.compat.v1.Session``, and the train op
-comes from :meth:`GraphFreezer.minimize` (``_tf1.train``).
+comes from :meth:`Freezer.minimize` (``_tf1.train``).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from finefreeze._resolve.targets import Target
 from finefreeze._tf1.target import Fetched, GraphValues, collect_graph
 from finefreeze._tf1.train import apply_op, train_op
 
-__all__ = ["GraphFreezer"]
+__all__ = ["Freezer"]
 
 #: a report on a graph: elements no rule selects keep the graph's state
 GRAPH_WORDS = {
@@ -33,8 +32,8 @@ GRAPH_WORDS = {
 }
 
 
-class GraphFreezer(FreezerBase):
-    """A :class:`Freezer` over ``tf.compat.v1`` graph variables; ``ff.Freezer`` returns one for a graph.
+class Freezer(FreezerBase):
+    """A Freezer over ``tf.compat.v1`` graph variables, with an exact train op (``ff.tf1.Freezer``).
 
     Resolves the plan at once (a bad plan is a ``PlanError`` and nothing
     changes). ``var_list`` is what the optimizer updates at all;
@@ -64,7 +63,7 @@ class GraphFreezer(FreezerBase):
         >>> with tf.Graph().as_default() as g:
         ...     a = tf.compat.v1.get_variable("enc/w", initializer=tf.ones((2, 2)))
         ...     b = tf.compat.v1.get_variable("head/w", initializer=tf.ones((2, 1)))
-        ...     frz = ff.Freezer(g, ff.Plan([ff.freeze("enc/**")]))
+        ...     frz = ff.tf1.Freezer(g, ff.Plan([ff.freeze("enc/**")]))
         >>> [v.name for v in frz.var_list]
         ['head/w:0']
     """
@@ -115,12 +114,12 @@ class GraphFreezer(FreezerBase):
         """The ``var_list`` for ``optimizer.minimize`` / ``compute_gradients``: variables with anything trainable."""
         return self.trainable_variables
 
-    def strategy_for(self, path: str) -> str | None:
+    def _strategy_for(self, path: str) -> str | None:
         """``"restore"`` for a partially frozen variable, else None."""
         return "restore" if self._state(path).state == PARTIAL else None
 
     # -- fingerprint and verify ---------------------------------------------------
-    def activate(self, session=None) -> GraphFreezer:
+    def activate(self, session=None) -> Freezer:
         """Take the fingerprint of every frozen element, through a session.
 
         Call it once the variables hold the values to keep (after the
@@ -206,7 +205,7 @@ class GraphFreezer(FreezerBase):
             >>> import numpy as np, tensorflow as tf, finefreeze as ff
             >>> with tf.Graph().as_default() as g:
             ...     x = tf.compat.v1.get_variable("x", initializer=tf.ones((2, 2)))
-            ...     frz = ff.Freezer(g, [ff.freeze("x"), ff.train("x", indices=[(0, 0), (1, 1)])])
+            ...     frz = ff.tf1.Freezer(g, [ff.freeze("x"), ff.train("x", indices=[(0, 0), (1, 1)])])
             ...     op = frz.minimize(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), tf.reduce_sum(x * x))
             ...     with tf.compat.v1.Session() as sess:
             ...         sess.run(tf.compat.v1.global_variables_initializer())
@@ -250,7 +249,7 @@ class GraphFreezer(FreezerBase):
             >>> import tensorflow as tf, finefreeze as ff
             >>> with tf.Graph().as_default() as g:
             ...     w = tf.compat.v1.get_variable("w", initializer=tf.ones((3,)))
-            ...     frz = ff.Freezer(g, [ff.freeze("w[0]")])
+            ...     frz = ff.tf1.Freezer(g, [ff.freeze("w[0]")])
             ...     opt = tf.compat.v1.train.AdamOptimizer(0.1)
             ...     grads = opt.compute_gradients(tf.reduce_sum(w * w), var_list=frz.var_list)
             ...     clipped = [(tf.clip_by_norm(g, 1.0), v) for g, v in grads]
@@ -264,37 +263,5 @@ class GraphFreezer(FreezerBase):
         return apply_op(self, optimizer, grads_and_vars, global_step=global_step, name=name)
 
     # -- what graphs do instead ---------------------------------------------------------
-    def update(self, plan: Plan | list) -> GraphFreezer:
-        """Not for graphs: a train op keeps its plan; make a new Freezer and train op (same optimizer keeps state).
-
-        Raises:
-            PlanError: always.
-        """
-        raise PlanError(
-            "a tf.compat.v1 train op keeps the plan it was built with; for a new plan make a new Freezer and "
-            "call its minimize() with the same optimizer (its slots carry over)."
-        )
-
-    def wrap(self, optimizer, *, strategy: str | None = None):
-        """Not for graphs: use :meth:`minimize` with a ``tf.compat.v1.train`` optimizer.
-
-        Raises:
-            PlanError: always.
-        """
-        raise PlanError(
-            "wrap() makes a Keras optimizer; for tf.compat.v1 graph variables use "
-            "frz.minimize(tf.compat.v1.train.<Optimizer>(...), loss)."
-        )
-
-    def save_delta(self, path) -> dict:
-        """Not for graphs: save with ``tf.compat.v1.train.Saver``.
-
-        Raises:
-            PlanError: always.
-        """
-        raise PlanError(
-            "delta files are written from eager variables; save graph variables with tf.compat.v1.train.Saver."
-        )
-
     def _describe(self) -> str:
         return "Freezer (tf.compat.v1 graph)"

@@ -155,13 +155,14 @@ def flag_changes(target, res) -> list[tuple[str, Rule]]:
     return out
 
 
-def honour_flags(frz) -> None:
-    """Turn ``layer.trainable`` switches made since ``frz`` set the flags into rules of its plan (with a warning)."""
-    changes = flag_changes(frz.target, frz.resolution)
+def honour_flags(frz, plan: Plan) -> Plan:
+    """``plan`` with a rule for each ``layer.trainable`` switch made since ``frz`` set the flags (with a warning).
+
+    ``wrap``, ``activate`` and ``update`` call it: a switch is never a silent no-op.
+    """
+    changes = flag_changes(frz._target, frz._res)
     if not changes:
-        return
-    old = frz.resolution.plan
-    frz.update(Plan([*old.rules, *(rule for _, rule in changes)], strict=old.strict, batchnorm=old.batchnorm))
+        return plan
     what = "; ".join(f"{d}: the plan now ends with {rule!r}" for d, rule in changes)
     warnings.warn(
         f"Keras' trainable flag changed after the Freezer set it ({what}). The Freezer honours it "
@@ -169,6 +170,7 @@ def honour_flags(frz) -> None:
         FreezeWarning,
         stacklevel=3,
     )
+    return Plan([*plan.rules, *(rule for _, rule in changes)], strict=plan.strict, batchnorm=plan.batchnorm)
 
 
 def set_flags(target, res) -> bool:

@@ -40,8 +40,8 @@ def _exact(path: str) -> str:
 def _saved_masks(opt) -> dict[str, tuple[str, np.ndarray | None, np.ndarray | float]]:
     """``{path: (kind, frozen mask or None, scale)}`` as a built optimizer enforces them."""
     out = {}
-    by_path = {e.path: e for e in opt.enforcers}
-    for entry in opt.layout:
+    by_path = {e.path: e for e in opt._enforcers}
+    for entry in opt._layout:
         enf = by_path.get(entry.path)
         if entry.kind == Kind.FROZEN or enf is None:
             out[entry.path] = ("frozen", None, 1.0)
@@ -102,15 +102,15 @@ def _same(res, saved: dict) -> bool:
 def rebuild_freezer(cls, model, opt):
     """The Freezer of ``model`` whose ``FreezingOptimizer`` ``opt`` has no Freezer (a loaded model)."""
     plan = opt.plan or Plan()
-    if opt.built and opt.layout is not None:
+    if opt.built and opt._layout is not None and not opt._placeholders:
         saved = _saved_masks(opt)
         try:
             ok = opt.plan is not None and _same(resolve(opt.plan, collect(model)), saved)
         except PlanError:
             ok = False
         plan = opt.plan if ok else masks_plan(opt)
-    # files of earlier releases trained on the dense gradients: they resume bit for bit on them
-    gradients = opt.saved_gradients or {"mode": "dense"}
+    # an optimizer saved without a Freezer trained on the dense gradients: it resumes bit for bit on them
+    gradients = opt._saved_gradients or {"mode": "dense"}
     return cls(model, plan, strategy=opt.strategy, gradients=gradients.get("mode", "dense"))
 
 
@@ -121,9 +121,9 @@ def held_dense(frz, gradients: dict | None) -> set[str] | None:
     model's name (``big/kernel`` for ``net/big/kernel``): a saved path matches
     the one it ends with, or that ends with it.
     """
-    if frz.gradients != "auto" or gradients is None:
+    if frz._gradients != "auto" or gradients is None:
         return None
-    paths = [s.path for s in frz.resolution.states]
+    paths = [s.path for s in frz._res.states]
     held = set()
     for p in gradients.get("held_dense", ()):
         hits = [q for q in paths if q == p] or [q for q in paths if q.endswith("/" + p) or p.endswith("/" + q)]
@@ -138,13 +138,13 @@ def checkpoint_plan(frz, saved: dict, plan_dict: dict | None) -> Plan | None:
     The saved plan is taken when it resolves to exactly the saved masks (so a
     schedule recognises its stage), else a plan of the masks themselves.
     """
-    if _same(frz.resolution, saved):
+    if _same(frz._res, saved):
         return None
     plan = None
     if plan_dict:
         try:
             candidate = Plan.from_dict(plan_dict)
-            if _same(resolve(candidate, frz.target), saved):
+            if _same(resolve(candidate, frz._target), saved):
                 plan = candidate
         except PlanError:
             plan = None
@@ -154,18 +154,18 @@ def checkpoint_plan(frz, saved: dict, plan_dict: dict | None) -> Plan | None:
 class Resumable:
     """What a ``Freezer`` does when training resumes: a checkpoint's masks in force, a loaded model's Freezer."""
 
-    def adopt_checkpoint(self, saved: dict, plan: dict | None, step: int, gradients: dict | None = None) -> None:
+    def _adopt_checkpoint(self, saved: dict, plan: dict | None, step: int, gradients: dict | None = None) -> None:
         """Put in force the masks (and kernels held dense) a checkpoint saved (``load_own_variables`` calls this).
 
         Nothing changes when the plan in force already enforces them.
         """
-        self.checkpoint_loads += 1
+        self._checkpoint_loads += 1
         self._hold(held_dense(self, gradients))
         new = checkpoint_plan(self, saved, plan)
         if new is None:
             return
-        self.rebase()  # the model's weights were loaded just before: they are the baseline now
-        self.update(new)
+        self._rebase()  # the model's weights were loaded just before: they are the baseline now
+        self._update(new)
         self._history[-1].update(step=step, resumed=True)
 
     def _hold(self, held: set[str] | None) -> None:
@@ -173,8 +173,8 @@ class Resumable:
         if held is None or held == self._held:
             return
         self._held = held
-        if set_sliced(self._target, self._res, self, self.slicing, self._held):
-            self.follow_standins()
+        if set_sliced(self._target, self._res, self, self._slicing, self._held):
+            self._follow_standins()
             self._retrace()
 
     @classmethod
@@ -205,16 +205,18 @@ class Resumable:
         opt = find_freezing_optimizer(model)
         if opt is None:
             return None
-        if opt.freezer is not None:
-            return opt.freezer
+        if opt._freezer is not None:
+            return opt._freezer
         frz = rebuild_freezer(cls, model, opt)
         frz._resume(opt)
         return frz
 
     def _resume(self, opt) -> None:
         """Become the Freezer of ``opt``, a loaded model's optimizer, as the saved run left it."""
-        self._hold(held_dense(self, opt.saved_gradients or {"mode": "dense"}))
-        opt.adopt_resolution(self.resolution)
+        self._hold(held_dense(self, opt._saved_gradients or {"mode": "dense"}))
+        opt._adopt_resolution(self._res)
         self._history[0]["step"] = int(to_numpy(opt.iterations))  # the plan was in force before the save
-        opt.bind_freezer(self, strong=True)
+        opt._bind_freezer(self, strong=True)
         self._wrapped.append(weakref.ref(opt))
+        if opt._placeholders:  # saved before its first step: the plan's masks go into the optimizer now
+            self._update(self._res.plan)

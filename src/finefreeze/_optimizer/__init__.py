@@ -12,13 +12,4 @@ never looked up inside ``ages``, ``in_force`` or ``checkpoint``).
 
 May import: the foundation (``_keras`` included), ``_backends``, ``_plan``,
 ``_resolve``, ``_slices``, ``_enforce``.
-
-``FreezingOptimizer`` is re-exported here: model files of release 0.1 name
-``finefreeze._optimizer`` as its module. Keras 3.15 finds the class by its
-registered name (``finefreeze>FreezingOptimizer``, registered on
-``import finefreeze``); the path stays importable for whatever reads it.
 """
-
-from finefreeze._optimizer.wrapper import FreezingOptimizer as FreezingOptimizer
-
-__all__ = ["FreezingOptimizer"]

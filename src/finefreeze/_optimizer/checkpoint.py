@@ -12,6 +12,11 @@ force, the plan, the step, and where each enforcer's mask, index and scale
 Freezer puts exactly those in force (resolution, Keras flags, layout, inner
 optimizer rebuilt on the same variables), and then every variable loads by
 position, bit for bit.
+
+A store without the record is loaded by position, as Keras loads its own
+optimizers: the checkpoint of a plain Keras optimizer, or of a
+``FreezingOptimizer`` saved before its first step (not built yet, it has
+no layout to record).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ import warnings
 import numpy as np
 
 from finefreeze._backends.arrays import to_numpy
+from finefreeze._enforce.layout import saved_problem
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._kinds import Kind
+from finefreeze._version import __version__
 
 __all__ = [
     "KEY",
@@ -41,7 +48,10 @@ __all__ = [
 
 #: the store entry of the record (Keras' own entries are "0", "1", ...)
 KEY = "finefreeze_checkpoint"
+#: the record's ``version``: the one format this version writes and reads
 VERSION = 1
+#: what a record of :data:`VERSION` holds
+_KEYS = ("layout", "slots", "plan", "step", "gradients")
 _SLOTS = ("mask", "index", "scale", "born", "u_product")
 
 
@@ -49,14 +59,14 @@ def record(opt, variables) -> dict:
     """The record of a built optimizer whose saved variables are ``variables`` (in order)."""
     where = {id(w): i for i, w in enumerate(variables)}
     slots = {}
-    for e in opt.enforcers:
+    for e in opt._enforcers:
         mine = {name: where[id(getattr(e, name))] for name in _SLOTS if getattr(e, name) is not None}
         if mine:
             slots[e.path] = mine
     config = opt.get_config()
     return {
         "version": VERSION,
-        "layout": opt.layout.to_config(),
+        "layout": opt._layout.to_config(),
         "slots": slots,
         "plan": config["plan"],
         "step": int(to_numpy(opt.iterations)),
@@ -69,20 +79,40 @@ def write(store, rec: dict) -> None:
 
 
 def read(store) -> dict | None:
-    """The record in ``store``, or None (a checkpoint of release 0.2 or older, or of plain Keras).
+    """The record in ``store``, or None (no record: a plain Keras optimizer's, or one saved before its first step).
 
     Raises:
-        PlanError: the record is newer than this release reads.
+        PlanError: a record of another format than :data:`VERSION`, or one
+            that lacks what that format holds; nothing is loaded.
     """
     if store is None or KEY not in store.keys():
         return None
-    rec = json.loads(np.asarray(store[KEY], np.uint8).tobytes().decode("utf-8"))
-    if rec.get("version", 0) > VERSION:
+    try:
+        rec = json.loads(np.asarray(store[KEY], np.uint8).tobytes().decode("utf-8"))
+    except ValueError:  # not UTF-8 or not JSON
+        rec = None
+    problem = _problem(rec)
+    if problem is not None:
         raise PlanError(
-            f"the checkpoint's freeze record is version {rec['version']}, newer than this finefreeze "
-            f"reads ({VERSION}); upgrade finefreeze to resume from it."
+            f"the checkpoint's freeze record ({KEY!r}, beside the optimizer's variables) {problem}; finefreeze "
+            f"{__version__} reads format {VERSION} only. Resume from a checkpoint saved with finefreeze "
+            f"{__version__}, or start the run again: it saves new checkpoints."
         )
     return rec
+
+
+def _problem(rec) -> str | None:
+    """What keeps ``rec`` from being a record of format :data:`VERSION`, or None."""
+    version = rec.get("version") if isinstance(rec, dict) else None
+    if version is None:
+        return "has no format version"
+    if version != VERSION:
+        return f"is format {version!r}"
+    missing = [k for k in _KEYS if k not in rec]
+    if missing:
+        return f"is format {version!r} but lacks {', '.join(missing)}"
+    layout = saved_problem(rec["layout"])
+    return None if layout is None else f"is format {version!r} but its layout {layout}"
 
 
 def positional_keys(store) -> list[str]:
@@ -157,9 +187,9 @@ def load(opt, state, store, frz) -> bool:
     if frz is None:
         born_as_saved(state, rec, store)
         keys = positional_keys(store)
-        if len(keys) != len(opt.stored_variables()):
+        if len(keys) != len(opt._stored_variables()):
             warnings.warn(
-                f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt.stored_variables())} variables "
+                f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt._stored_variables())} variables "
                 f"and the checkpoint {len(keys)}; a checkpoint written after a plan change loads into an "
                 "optimizer made by a Freezer (frz.wrap) of the model.",
                 FreezeWarning,
@@ -167,12 +197,12 @@ def load(opt, state, store, frz) -> bool:
             )
             return True
     elif not opt.built:  # a custom loop loading before its first step
-        opt.build(frz.trainable_variables_for_build())
+        opt.build(frz._build_variables())
     if frz is not None:
-        frz.adopt_checkpoint(masks(rec, store), rec.get("plan"), rec.get("step", 0), rec.get("gradients"))
+        frz._adopt_checkpoint(masks(rec, store), rec["plan"], rec["step"], rec["gradients"])
         born_as_saved(state, rec, store)
     keys = positional_keys(store)
-    stored = opt.stored_variables()
+    stored = opt._stored_variables()
     if len(keys) != len(stored):
         raise PlanError(
             f"the checkpoint holds {len(keys)} optimizer variables for its plan, but the optimizer has "
@@ -182,7 +212,7 @@ def load(opt, state, store, frz) -> bool:
     for i, variable in enumerate(stored):
         variable.assign(store[str(i)])
     if frz is not None:
-        frz.rebase()
+        frz._rebase()
     return True
 
 
@@ -207,8 +237,8 @@ def born_as_saved(state, rec: dict, store) -> None:
 
 
 def load_plain(opt, store) -> None:
-    """Keras' own loading, by position, of a checkpoint without a record (plain Keras, release 0.2 or older)."""
-    stored = opt.stored_variables()
+    """Keras' own loading, by position, of a checkpoint without a record (see the module's docstring)."""
+    stored = opt._stored_variables()
     keys = positional_keys(store)
     if len(keys) != len(stored):
         warnings.warn(
@@ -228,9 +258,9 @@ def stored(opt) -> list:
     gradient to (a model variable), not a variable of the optimizer; it is
     saved in the place the optimizer's own vector has, right after its
     index, so a run that slices a kernel and one that does not write the
-    same checkpoint, and files of earlier releases load.
+    same checkpoint.
     """
-    after = {id(e.index): e.standin for e in opt.enforcers if e.standin is not None and e.kind == Kind.COMPACT}
+    after = {id(e.index): e.standin for e in opt._enforcers if e.standin is not None and e.kind == Kind.COMPACT}
     out = []
     for w in opt.variables:
         out.append(w)
@@ -242,11 +272,11 @@ def stored(opt) -> list:
 @contextlib.contextmanager
 def _as_saved(opt):
     """``opt``'s variables as saved: without the gradient norms, whether FreezeBoard tracks them or not."""
-    tracking, opt.track_gradient_norms = opt.track_gradient_norms, False
+    tracking = opt._record_norms(False)
     try:
         yield
     finally:
-        opt.track_gradient_norms = tracking
+        opt._record_norms(tracking)
 
 
 def save(opt, store) -> None:
@@ -255,12 +285,14 @@ def save(opt, store) -> None:
         variables = stored(opt)
         for i, w in enumerate(variables):
             store[str(i)] = w.numpy()
-        if opt.built and opt.layout is not None:
+        if opt.built and opt._layout is not None:
             write(store, record(opt, variables))
 
 
 def load_into(opt, state, store, frz) -> None:
     """Load ``store`` into ``opt`` (its enforcement ``state``, bound to ``frz`` or None): by its record, else by position."""
     with _as_saved(opt):
-        if not load(opt, state, store, frz):
+        if load(opt, state, store, frz):
+            state.values_loaded()  # the record holds the masks; an optimizer saved unbuilt or by Keras has none
+        else:
             load_plain(opt, store)

@@ -33,7 +33,7 @@ from finefreeze._enforce.enforcer import (
     make_enforcers,
     scale_value,
 )
-from finefreeze._enforce.layout import Layout, refuse_unknown
+from finefreeze._enforce.layout import Layout, check_saved, refuse_unknown
 from finefreeze._enforce.policy import family
 from finefreeze._keras.instances import attributes, restore_attributes
 from finefreeze._keras.optimizers import forget_positions, own_variables
@@ -59,10 +59,13 @@ class Enforcement:
         layout: a layout decided already (``Freezer.wrap``), or None.
         saved_layout: the layout of a saved optimizer's config, or None.
 
+    Raises:
+        PlanError: ``saved_layout`` is of another format (``check_saved``).
+
     Example:
         >>> import keras, finefreeze as ff
         >>> opt = ff.FreezingOptimizer(keras.optimizers.SGD(0.1), ff.Plan())
-        >>> opt.layout is None  # nothing enforced before build
+        >>> opt._layout is None  # nothing enforced before build
         True
     """
 
@@ -75,12 +78,15 @@ class Enforcement:
         self._count_kind = count_kind
         self._resolution = resolution
         self._layout: Layout | None = layout
+        if saved_layout is not None:
+            check_saved(saved_layout)  # refused as the model file is read, before anything is built on it
         self._saved_layout = saved_layout
         self._inner_base = migrate.constructor_variables(inner)
         self._enforcers = Enforcers(state=migrate.StateMap({}, {}, []))
         self._warned: set[str] = set()
         self._checked = None  # the variable list last checked for the plan in force (ids)
         self._aged: dict | None = None  # {id(inner optimizer): {variable key: enforcer}} of those with release steps
+        self._placeholders = False  # built from a saved layout: masks and indices wait for the file's values
 
     # -- what it holds (read-only) ----------------------------------------------
     @property
@@ -92,6 +98,15 @@ class Enforcement:
     def layout(self) -> Layout | None:
         """The layout in force, or None before it knows its variables."""
         return self._layout
+
+    @property
+    def placeholders(self) -> bool:
+        """Whether the enforcers hold placeholders: built from a saved layout, no values loaded or written since."""
+        return self._placeholders
+
+    def values_loaded(self) -> None:
+        """The enforcers hold the values of a file (``load_own_variables``)."""
+        self._placeholders = False
 
     @property
     def saved_layout(self):
@@ -182,6 +197,7 @@ class Enforcement:
         enforcers = Enforcers(ordered, frozen, state, recorded)
         decay_compact_like_its_variable(self._inner, enforcers)
         self._layout, self._enforcers, self._aged = layout, enforcers, None
+        self._placeholders = held is None and self._saved_layout is not None
         ages.install(self)
         if held is not None:
             _put_back(enforcers.state, others or {})
@@ -195,11 +211,12 @@ class Enforcement:
         Mask, index and ``lr_scale`` changes of enforcers that keep their kind
         and shape are written in place; anything else rebuilds.
         """
-        self._resolution = resolution
-        if not built or self._in_place(layout, var_list):
+        fresh = self._placeholders  # nothing trained or loaded: no state to carry
+        self._resolution, self._placeholders = resolution, False
+        if not built or self._in_place(layout, var_list, fresh):
             self._layout = layout
             return False
-        self._rebuild(layout, var_list)
+        self._rebuild(layout, var_list, fresh)
         return True
 
     def begin(self):
@@ -225,7 +242,7 @@ class Enforcement:
         for w, value in values:
             w.assign(value)
 
-    def _in_place(self, layout: Layout, var_list) -> bool:
+    def _in_place(self, layout: Layout, var_list, fresh: bool = False) -> bool:
         """Write mask, index and scale changes into place; False (nothing written) when an enforcer changes."""
         old = self._enforcers
         todo = []
@@ -241,21 +258,21 @@ class Enforcement:
             todo.append((enf, e, scale_value(e, enf)))
         for enf, e, scale in todo:
             if enf.kind in (Kind.RESTORE, Kind.MASK) and not np.array_equal(to_numpy(enf.mask), e.mask.dense()):
-                kept = self._held(enf)
+                kept = None if fresh else self._held(enf)
                 enf.mask.assign(e.mask.dense())
                 self._carry(enf, kept)
             elif enf.kind == Kind.COMPACT and not np.array_equal(to_numpy(enf.index), e.mask.trainable_flat_indices()):
-                kept = self._held(enf)
+                kept = None if fresh else self._held(enf)
                 enf.index.assign(e.mask.trainable_flat_indices().astype(enf.index.dtype))
                 self._carry(enf, kept)
             if scale is not None:
                 enf.scale.assign(scale)
         return True
 
-    def _rebuild(self, layout: Layout, var_list) -> None:
-        """New enforcers around the same inner optimizer, rebuilt in place; state carried by element."""
+    def _rebuild(self, layout: Layout, var_list, fresh: bool = False) -> None:
+        """New enforcers around the same inner optimizer, rebuilt in place; state carried by element (``fresh``: none)."""
         opt = self._optimizer
-        kept = {id(e.variable): self._held(e) for e in self._enforcers.ordered}
+        kept = {} if fresh else {id(e.variable): self._held(e) for e in self._enforcers.ordered}
         others = {k: to_numpy(w) for k, w in migrate.keyed(self._enforcers.state.other).items()}
         ours = self._enforcers.own_variables()
         migrate.untrack(opt, [w for w in own_variables(opt) if id(w) in ours])

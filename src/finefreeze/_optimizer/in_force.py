@@ -72,7 +72,7 @@ def _by_fit(frz, var_list) -> bool:
 
     A custom loop may hand every variable, frozen ones included (they are skipped).
     """
-    model = getattr(getattr(frz, "target", None), "obj", None)
+    model = getattr(getattr(frz, "_target", None), "obj", None)
     trainable = getattr(model, "trainable_variables", None) if hasattr(model, "make_train_function") else None
     return trainable is not None and {id(v) for v in var_list} == {id(v) for v in trainable}
 
@@ -102,10 +102,23 @@ def _message(frz, missing, consequence: str, what: str = "it trains") -> str:
     )
 
 
+def _switch_message(switched: list[str]) -> str:
+    return (
+        f"Keras' trainable flag changed after the Freezer set it ({'; '.join(switched)}), and the compiled step "
+        "runs on: the plan in force still decides, so nothing it freezes trains. Compile again with "
+        "frz.wrap(...) (the Freezer then adds the switch to its plan, with a warning) or change the plan with "
+        "frz.update(...)."
+    )
+
+
 def warn_not_in_force(state, var_list, frz) -> None:
     """Warn once when ``var_list`` (what training hands the optimizer) leaves out variables its plan trains."""
     if state.warned("not in force") or not state.newly_checked(var_list):
         return  # PyTorch's eager trainer hands the same list at every step: checked once
+    switched = frz._switched() if frz is not None else []
+    if switched and state.first_time("switched"):
+        warnings.warn(_switch_message(switched), FreezeWarning, stacklevel=4)
+        return
     if _foreign(state, var_list):
         return
     missing = trains_outside(state, var_list)
@@ -138,6 +151,8 @@ def check_stateless(built: list | None, trainable_variables, frz) -> None:
                 "the Freezer referenced while the model trains, or call ff.Freezer.of(model) to bind a new one "
                 "to this optimizer before fit."
             )
+        if frz is not None and frz._switched():
+            raise PlanError(_switch_message(frz._switched()))
         which = _which(frz)
         raise PlanError(
             f"the plan this optimizer enforces is not the one in force: training hands it "

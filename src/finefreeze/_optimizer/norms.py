@@ -1,7 +1,7 @@
 """The gradient norms FreezeBoard shows: of the trainable part and of the part the plan blocked.
 
 A ``FreezingOptimizer`` holds two scalar variables (:func:`variables`); while
-its ``track_gradient_norms`` is on (FreezeBoard turns it on) every step
+its ``_track_gradient_norms`` is on (FreezeBoard turns it on) every step
 writes them (:func:`record`), and ``gradient_norms()`` reads them
 (:func:`read`). They are optimizer variables only while tracked, never saved.
 """

@@ -82,22 +82,28 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs,
     ):
-        resolution, layout = kwargs.pop("_resolution", None), kwargs.pop("_layout", None)
-        saved_layout, saved_gradients = kwargs.pop("_saved_layout", None), kwargs.pop("_gradients", None)
         refuse_arguments(FreezingOptimizer, inner_optimizer, plan, strategy, kwargs, step_count)
         super().__init__(learning_rate=0.0, name=name or "freezing_optimizer")
-        #: a loaded model's ``Freezer.gradients_record()``; files of earlier releases: None (the dense gradient)
-        self.saved_gradients = saved_gradients
         self.inner_optimizer = inner_optimizer
         self._plan = plan
         self._step_count = step_count
-        kind = ages.kind_of(inner_optimizer, step_count)
-        self._enforcement = Enforcement(self, inner_optimizer, strategy, kind, resolution, layout, saved_layout)
+        self._count_kind = ages.kind_of(inner_optimizer, step_count)
+        self._enforcement = Enforcement(self, inner_optimizer, strategy, self._count_kind)
+        #: what a loaded model's Freezer saved of its gradients (``Freezer._gradients_record()``), or None
+        self._saved_gradients = None
         self._freezer_ref = None
         self._freezer_strong = None
-        self.track_gradient_norms = False
-        self.recording_norms = False  # a FreezeBoard reads the norms now: gradients="auto" keeps slices dense
+        #: FreezeBoard sets it: each step writes the gradient norms (it reads the gradients, changes none)
+        self._track_gradient_norms = False
         self._norms_recorded = False
+
+    def _start_from(self, resolution=None, layout=None, saved_layout=None, saved_gradients=None) -> FreezingOptimizer:
+        """Start from a layout decided already (``Freezer.wrap``) or a saved config's (``from_config``)."""
+        self._enforcement = Enforcement(
+            self, self.inner_optimizer, self.strategy, self._count_kind, resolution, layout, saved_layout
+        )
+        self._saved_gradients = saved_gradients
+        return self
 
     @property
     def strategy(self) -> str:
@@ -105,30 +111,30 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         return self._enforcement.strategy
 
     @property
-    def step_count(self) -> str:
-        """``"release"`` (released elements count steps from their release) or ``"global"``."""
-        return self._step_count
-
-    @property
     def plan(self) -> Plan | None:
         """The plan this optimizer enforces."""
         return self._plan
 
     @property
-    def layout(self) -> Layout | None:
+    def _layout(self) -> Layout | None:
         """The per-variable :class:`~finefreeze._enforce.layout.Layout` it enforces (None before it knows its variables)."""
         return self._enforcement.layout
 
     @property
+    def _placeholders(self) -> bool:
+        """Built from a saved layout, no values loaded yet (a model saved before its first step)."""
+        return self._enforcement.placeholders
+
+    @property
     def variables(self):
         own = super().variables + self.inner_optimizer.variables
-        if getattr(self, "track_gradient_norms", False) and self._enforcement.enforcers.norms:
+        if getattr(self, "_track_gradient_norms", False) and self._enforcement.enforcers.norms:
             # while tracked, the norms are training state: Keras' JAX trainer carries only
             # the optimizer's variables through its jitted step (never saved: see below)
             own = own + list(self._enforcement.enforcers.norms)
         return own
 
-    def stored_variables(self) -> list:
+    def _stored_variables(self) -> list:
         """The variables as saved: each stand-in where ``compact``'s vector is (``checkpoint.stored``)."""
         return checkpoint.stored(self)
 
@@ -140,9 +146,9 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
 
         Raises:
             PlanError: the checkpoint's masks do not resolve against this
-                optimizer's model, or its record is newer than this release.
+                optimizer's model, or its record is of another format.
         """
-        checkpoint.load_into(self, self._enforcement, store, self.freezer)
+        checkpoint.load_into(self, self._enforcement, store, self._freezer)
 
     @property
     def learning_rate(self):
@@ -164,28 +170,36 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     @property
-    def enforcers(self) -> tuple:
+    def _enforcers(self) -> tuple:
         """The enforcers of the variables it updates, in build order (empty before ``build``)."""
         return tuple(self._enforcement.enforcers.ordered)
 
-    def adopt_resolution(self, resolution) -> None:
+    def _adopt_resolution(self, resolution) -> None:
         """Take ``resolution`` as the one its layout came from (the Freezer rebuilt for a loaded model)."""
         self._enforcement.adopt_resolution(resolution)
 
     @property
-    def freezer(self):
+    def _freezer(self):
         """The :class:`Freezer` of this optimizer (made by ``wrap`` or ``Freezer.of``), or None."""
         return self._freezer_ref() if self._freezer_ref is not None else None
 
-    def bind_freezer(self, freezer, strong: bool = False) -> None:
-        """Make ``freezer`` its :attr:`freezer`: weakly, or strongly for one rebuilt for a loaded model."""
+    def _bind_freezer(self, freezer, strong: bool = False) -> None:
+        """Make ``freezer`` its Freezer: weakly, or strongly for one rebuilt for a loaded model."""
         self._freezer_ref = weakref.ref(freezer)
         self._freezer_strong = freezer if strong else None
 
-    def gradient_norms(self) -> tuple[float, float] | None:
+    def _record_norms(self, on: bool) -> bool:
+        """Whether each step records the gradient norms from now on (a retrace puts it in force); returns the old setting.
+
+        Recording reads the gradients the step computes anyway and changes none of them.
+        """
+        was, self._track_gradient_norms = self._track_gradient_norms, on
+        return was
+
+    def _gradient_norms(self) -> tuple[float, float] | None:
         """``(trainable, frozen)`` norms of the gradient of the last step, before enforcement.
 
-        Recorded while ``track_gradient_norms`` is True (``FreezeBoard`` sets
+        Recorded while ``_track_gradient_norms`` is True (``FreezeBoard`` sets
         it). "Frozen": the gradient on frozen elements of partially frozen
         variables, what the plan blocked. Returns None before a tracked step.
         """
@@ -202,7 +216,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         check_optimizer(self, var_list, "FreezingOptimizer.build")
         check_cross_replica(var_list)
         state = self._enforcement
-        in_force.check_at_build(state, var_list, self.freezer)
+        in_force.check_at_build(state, var_list, self._freezer)
         layout = state.layout_for(var_list, self._plan)
         self._warn(layout)
         with build_scope():  # not constants of the first step's traced graph (TensorFlow)
@@ -213,26 +227,21 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         # Keras' JAX trainer: the list it was built on
-        in_force.check_stateless(built_on(self) if self.built else None, trainable_variables, self.freezer)
+        in_force.check_stateless(built_on(self) if self.built else None, trainable_variables, self._freezer)
         return super().stateless_apply(optimizer_variables, grads, trainable_variables)
 
     def _warn(self, layout: Layout) -> None:
         """Refuse a layout the inner optimizer would turn into NaN; warn about inexact ``mask``."""
-        self.refuse_nan(layout)
+        self._refuse_nan(layout)
         if not self._enforcement.warned("mask") and warn_inexact_mask(self.inner_optimizer, layout):
             self._enforcement.first_time("mask")
 
-    def refuse_nan(self, layout: Layout) -> None:
-        """Refuse a layout the inner optimizer would turn into NaN (see ``policy.refuse_nan``).
-
-        Raises:
-            PlanError: Keras' Adafactor with a partially frozen matrix that has a
-                fully frozen row and a fully frozen column.
-        """
+    def _refuse_nan(self, layout: Layout) -> None:
+        """Refuse (``PlanError``) a layout the inner optimizer would turn into NaN (``policy.refuse_nan``)."""
         refuse_nan(self.inner_optimizer, layout)
 
     # -- changing the plan -------------------------------------------------------
-    def prepare_change(self, resolution, var_list) -> Layout:
+    def _prepare_change(self, resolution, var_list) -> Layout:
         """The layout a new resolution gives; raises (changing nothing) if it cannot be enforced.
 
         Raises:
@@ -243,31 +252,23 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         self._warn(layout)
         return layout
 
-    def commit_change(self, resolution, layout: Layout, var_list) -> bool:
-        """Put ``layout`` in force (``Freezer.update`` calls this after :meth:`prepare_change`).
+    def _commit_change(self, resolution, layout: Layout, var_list) -> bool:
+        """Put ``layout`` in force (``Freezer.update``, after :meth:`_prepare_change`); True: retrace the step.
 
-        Element-mask changes of variables that stay partially frozen with the
-        same strategy, and new ``lr_scale`` values, are written into the
-        optimizer's variables: no retrace. Anything else rebuilds the
-        enforcers and rebuilds the same inner optimizer in place: state is
-        kept for every element that stays trainable, global state
-        (``iterations``, learning rate) is kept, newly trainable elements
-        start fresh (zero moments; EMA averages at their current value), and
-        the state of what stops training is released.
-
-        Returns:
-            True when the train function must be retraced.
+        Mask and ``lr_scale`` changes are written into the optimizer's
+        variables; anything else rebuilds the same inner optimizer in place,
+        keeping the state of every element that stays trainable (``Enforcement.commit``).
         """
         self._plan = resolution.plan
         return self._enforcement.commit(resolution, layout, var_list, self.built)
 
-    def begin_change(self):
-        """What :meth:`undo_change` needs to undo a :meth:`commit_change`."""
+    def _begin_change(self):
+        """What :meth:`_undo_change` needs to undo a :meth:`_commit_change`."""
         return self._enforcement.begin()
 
     @staticmethod
-    def undo_change(undo) -> None:
-        """Undo a :meth:`commit_change`: attributes, variable lists and values as they were."""
+    def _undo_change(undo) -> None:
+        """Undo a :meth:`_commit_change`: attributes, variable lists and values as they were."""
         Enforcement.undo(undo)
 
     # -- applying ------------------------------------------------------------
@@ -286,9 +287,9 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        state, frz = self._enforcement, self.freezer
+        state, frz = self._enforcement, self._freezer
         enf = state.enforcers
-        in_force.warn_unbound(state, self.saved_gradients, frz)
+        in_force.warn_unbound(state, self._saved_gradients, frz)
         if trainable_variables is not built_on(self):
             in_force.warn_not_in_force(state, trainable_variables, frz)
         all_steps = bool(getattr(self.inner_optimizer, "use_ema", False))
@@ -321,7 +322,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
                 if e.kind in (Kind.RESTORE, Kind.COMPACT) and id(e.variable) not in seen:
                     pending.append((e, e.prepare(None, writes)[1]))
         write_all(writes)
-        if self.track_gradient_norms:
+        if self._track_gradient_norms:
             self._norms_recorded = True
             norms.record(enf.norms, raw)
         if inner_g:
@@ -333,7 +334,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             e.finish(ctx, writes)
         write_all(writes, after=grads)
 
-    def trains_outside(self, var_list=None) -> list[str]:
+    def _trains_outside(self, var_list=None) -> list[str]:
         """Paths its plan trains that are not in ``var_list`` (default: what it is built on)."""
         return in_force.trains_outside(self._enforcement, built_on(self) if var_list is None else var_list)
 
@@ -364,7 +365,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
                 plan = None
         state = self._enforcement
         layout = state.layout.to_config() if state.layout is not None else state.saved_layout
-        frz = self.freezer
+        frz = self._freezer
         return {
             "name": self.name,
             "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
@@ -372,7 +373,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
             "strategy": self.strategy,
             "step_count": self._step_count,
             "layout": layout,
-            "gradients": self.saved_gradients if frz is None else frz.gradients_record(),
+            "gradients": self._saved_gradients if frz is None else frz._gradients_record(),
         }
 
     @classmethod
@@ -380,15 +381,14 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
         plan = config.pop("plan", None)
-        return cls(
+        opt = cls(
             inner,
             Plan.from_dict(plan) if plan else None,
             strategy=config.pop("strategy", "auto"),
             step_count=config.pop("step_count", "release"),
             name=config.pop("name", None),
-            _saved_layout=config.pop("layout", None),
-            _gradients=config.pop("gradients", None),
         )
+        return opt._start_from(saved_layout=config.pop("layout", None), saved_gradients=config.pop("gradients", None))
 
 
 def find_freezing_optimizer(model) -> FreezingOptimizer | None:

@@ -274,9 +274,20 @@ def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
     return Rule(action, sel, index, mask, indices, where, lr_scale)
 
 
+def _integer(i) -> int:
+    """``i`` as an int, for a Python or numpy integer only (a float or a string is a mistake, not an index)."""
+    if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+        raise TypeError(i)
+    return int(i)
+
+
 def _norm_indices(action, selector, indices) -> tuple[tuple[int, ...], ...]:
+    if isinstance(indices, np.ndarray) and indices.ndim == 2:  # np.argwhere's rows
+        indices = indices.tolist()
     try:
-        out = tuple(tuple(int(i) for i in (t if isinstance(t, (tuple, list)) else (t,))) for t in indices)
+        out = tuple(
+            tuple(_integer(i) for i in (t if isinstance(t, (tuple, list, np.ndarray)) else (t,))) for t in indices
+        )
     except (TypeError, ValueError):
         raise PlanError(
             f"{action}({selector!r}, indices=...): indices must be a list of integer "

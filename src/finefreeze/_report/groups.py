@@ -76,7 +76,7 @@ def build_groups(frz, rep: dict) -> list[dict]:
     Returns:
         A list of JSON-able dicts, model order.
     """
-    res = frz.resolution
+    res = frz._res
     obj = res.target.obj
     in_block = _block_of_owner(obj) if res.target.kind == "keras" else {}
     rows: list[dict] = []

@@ -93,7 +93,7 @@ def plot(frz, path: str | os.PathLike, *, title: str | None = None, dpi: int = 1
     plt = _pyplot()
     rep = frz.report()
     rows = _rows(rep)
-    partial = [s for s in frz.resolution.states if s.state == "partial"][:_MAX_MASKS]
+    partial = [s for s in frz._res.states if s.state == "partial"][:_MAX_MASKS]
     blue = tuple(c / 255 for c in FROZEN_RGB)
     orange = tuple(c / 255 for c in TRAINED_RGB)
 

@@ -39,7 +39,7 @@ def _gradient(s) -> str:
 
 def build_report(frz, words: dict = KERAS_WORDS) -> dict:
     """The report of ``frz``: one row per variable and per layer, totals, rules, history, groups."""
-    res = frz.resolution
+    res = frz._res
     plan = res.plan
     state_label, slots = optimizer_state(frz)
     variables = [_variable_row(frz, s, plan, slots, words) for s in res.states]
@@ -48,7 +48,7 @@ def build_report(frz, words: dict = KERAS_WORDS) -> dict:
         "optimizer_state": state_label,
         "batchnorm": batchnorm_line(plan.batchnorm),
         "lr_scales": _lr_scales(res, plan, words),
-        "strategy": frz.strategy,
+        "strategy": frz._strategy,
         "frozen_layers": [getattr(x, "path", None) or x.name for x in res.frozen_layers],
         "layers": _layer_rows(variables),
         "variables": variables,
@@ -62,7 +62,7 @@ def build_report(frz, words: dict = KERAS_WORDS) -> dict:
 def _variable_row(frz, s, plan, slots, words) -> dict:
     """One variable's row: its elements by state, strategy, gradient, optimizer state and deciding rules."""
     size = s.info.size
-    strategy = frz.strategy_for(s.path) if s.state == PARTIAL else None
+    strategy = frz._strategy_for(s.path) if s.state == PARTIAL else None
     if s.state == TRAINABLE:
         adam = 2 * size
     elif s.state == PARTIAL:

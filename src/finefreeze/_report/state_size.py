@@ -58,8 +58,8 @@ def optimizer_state(frz) -> tuple[str, int | None]:
         >>> optimizer_state(frz)
         ('AdamW state', 2)
     """
-    opts = frz.optimizers()
-    compiled = getattr(getattr(getattr(frz, "target", None), "obj", None), "optimizer", None)
+    opts = frz._optimizers()
+    compiled = getattr(getattr(getattr(frz, "_target", None), "obj", None), "optimizer", None)
     while compiled is not None and compiled not in opts:
         compiled = getattr(compiled, "inner_optimizer", None)  # through a LossScaleOptimizer
     if compiled is not None:
@@ -67,7 +67,7 @@ def optimizer_state(frz) -> tuple[str, int | None]:
     elif opts:
         cls, config = describe(opts[-1].inner_optimizer)
     elif getattr(frz, "last_wrapped", None) is not None:  # wrapped, and the wrapper already dropped
-        cls, config = frz.last_wrapped
+        cls, config = frz._last_wrapped
     else:
         return "state (Adam)", 2
     if config is None:  # pragma: no cover - an unserializable custom config

@@ -39,7 +39,8 @@ class Block:
 
     Example:
         >>> import finefreeze as ff
-        >>> b = ff.Block("conv4_block1", "conv4", ("conv4_block1_1_conv",), 4160, "**/conv4_block1_*/**")
+        >>> from finefreeze._resolve.blocks import Block
+        >>> b = Block("conv4_block1", "conv4", ("conv4_block1_1_conv",), 4160, "**/conv4_block1_*/**")
         >>> ff.train(b)
         train('**/conv4_block1_*/**')
     """
@@ -61,8 +62,8 @@ class Blocks(tuple):
     """The blocks of a model, first to last; a slice is a ``Blocks`` and a selector.
 
     Example:
-        >>> import finefreeze as ff
-        >>> bs = ff.Blocks([ff.Block(f"layer_{i}", "layer", (f"layer_{i}",), 8, f"**/layer_{i}/**") for i in range(3)])
+        >>> from finefreeze._resolve.blocks import Block, Blocks
+        >>> bs = Blocks([Block(f"layer_{i}", "layer", (f"layer_{i}",), 8, f"**/layer_{i}/**") for i in range(3)])
         >>> bs[-2:], bs[-2:].selector
         (Blocks(layer_1, layer_2), 're:(?:.*/)?(?:layer_1|layer_2)/.*')
     """

@@ -1,4 +1,4 @@
-"""Room of selection from data: ``select`` and the scores it ranks by.
+"""Room of selection from data: ``select``, its arguments (``arguments``) and the scores it ranks by.
 
 May import: ``_freezer`` and every room below it.
 """

@@ -2,25 +2,25 @@
 
 from __future__ import annotations
 
-import numbers
 import re
 from typing import Any
 
 import keras
 import numpy as np
 
-from finefreeze._backends.gradients import need_gradients
+from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import PlanError
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.resolve import FROZEN, UNTRAINED, resolve
 from finefreeze._resolve.targets import collect
-from finefreeze._select.scores import DATA_SCORES, SCORES, static_score, stream_scores
-from finefreeze._select.structure import STRUCTURES, choose_slices, slice_axis
+from finefreeze._select.arguments import check_arguments, check_budget, check_options, count_of
+from finefreeze._select.scores import DATA_SCORES, static_score, stream_scores
+from finefreeze._select.structure import choose_slices, slice_axis
 
 __all__ = ["FISHER_MEMORY", "auto_microbatch", "select", "top_k", "split_budget"]
 
-#: ``select(..., microbatch="auto")``: the bytes of float32 per-example gradients ``fisher`` holds at once
+#: ``select(..., options={"microbatch": "auto"})``: the bytes of float32 per-example gradients ``fisher`` holds at once
 FISHER_MEMORY = 256 * 2**20
 
 
@@ -89,20 +89,6 @@ def split_budget(k: int, sizes: list[int]) -> list[int]:
     return quota
 
 
-def _budget(budget, n: int) -> int:
-    if isinstance(budget, (bool, np.bool_)) or not isinstance(budget, (int, float, np.integer, np.floating)):
-        raise PlanError(f"select: budget must be a fraction in (0, 1] or a count of elements; got {budget!r}.")
-    if isinstance(budget, (int, np.integer)):
-        if not 1 <= budget <= n:
-            raise PlanError(f"select: budget={budget} elements, but {n:,} elements can be chosen; use 1..{n}.")
-        return int(budget)
-    if not 0 < budget <= 1:
-        raise PlanError(
-            f"select: budget={budget!r} is not a fraction in (0, 1]; give a fraction (0.01 = 1 %) or an int count."
-        )
-    return max(1, int(np.floor(budget * n + 0.5)))
-
-
 def _selected(selectors, target, what: str) -> dict[str, np.ndarray]:
     """Per variable path, the elements the selectors pick (bool arrays); strict."""
     if selectors is None:
@@ -123,22 +109,16 @@ def select(
     model: keras.Model,
     data: Any = None,
     *,
-    budget: float | int,
+    budget: float | int | str,
     score: str = "fisher",
     include: Any = None,
     exclude: Any = None,
     loss: Any = None,
-    per_variable: bool = False,
     structure: str = "elements",
-    largest: bool = True,
+    per_variable: bool = False,
     batch_size: int = 32,
     batches: int | None = None,
-    microbatch: int | str = "auto",
-    per_example: str = "auto",
-    epochs: int = 1,
-    optimizer: keras.optimizers.Optimizer | None = None,
-    seed: int = 0,
-    verbose: int = 1,
+    options: dict[str, Any] | None = None,
 ) -> Plan:
     """Choose which elements to train from a score, and return them as a plan.
 
@@ -148,12 +128,11 @@ def select(
     trained, plus everything ``include`` selects; the rest is frozen.
     Scores: ``"fisher"`` (sum over examples of the squared per-example
     gradient, FISH masks), ``"gradient"`` (sum over batches of the absolute
-    batch gradient), ``"magnitude"`` (|w|; the smallest with
-    ``largest=False``), ``"delta"`` (|θ − θ₀| after ``epochs`` of training
-    on ``data`` with ``optimizer``, LT-SFT; the model's variables are then
-    assigned back, bit for bit), ``"random"`` (seeded). Scores are reduced
-    per variable while batches stream (one float32 accumulator per scored
-    element; ``fisher`` also holds ``microbatch`` gradients at a time) and
+    batch gradient), ``"magnitude"`` (|w|), ``"delta"`` (|θ − θ₀| after
+    training on ``data``, LT-SFT; the model's variables are then assigned
+    back, bit for bit), ``"random"`` (seeded). Scores are reduced per
+    variable while batches stream (one float32 accumulator per scored
+    element; ``fisher`` also holds a microbatch of gradients at a time) and
     computed in inference mode (``training=False``). Ties go to the earlier
     variable, then the lower flat index. Every score runs on the TensorFlow,
     JAX and PyTorch backends, with the same results to float rounding.
@@ -162,76 +141,88 @@ def select(
         model: a built Keras model.
         data: ``(x, y)`` arrays, a ``tf.data.Dataset`` of ``(x, y)`` batches, or
             an iterable of them; not needed for ``magnitude`` and ``random``.
-        budget: a fraction of the candidates in (0, 1] (rounded half up, at
-            least 1) or an int count of elements.
+        budget: how many candidates to train: a fraction (a float in (0, 1],
+            or a percent string such as ``"1%"`` or ``"0.5%"``; rounded half
+            up, at least 1) or a count of elements (an int >= 1). A count of
+            1 to 100 looks like a percent: it selects that many elements and
+            warns (``FreezeWarning``); write 1 % as ``0.01`` or ``"1%"``.
         score: one of ``fisher``, ``gradient``, ``magnitude``, ``delta``, ``random``.
         include: selector(s) (as in rules) trained in full, on top of the budget.
         exclude: selector(s) never chosen.
         loss: the loss for the scores; default the model's compiled loss.
-        per_variable: give each variable a quota in proportion to its
-            candidates (largest remainders; the quotas add up to the budget)
-            instead of one global top-k.
         structure: ``"elements"``, or whole slices by their mean score:
             ``"rows"``, ``"columns"``, ``"channels"`` or ``"heads"``
             (:mod:`finefreeze._select.structure`); a kernel that trains
             slices gets their weight gradient only (docs/strategies.md).
-        largest: for ``magnitude``: the largest (True) or smallest weights.
+        per_variable: give each variable a quota in proportion to its
+            candidates (largest remainders; the quotas add up to the budget)
+            instead of one global top-k.
         batch_size: batch size when ``data`` is arrays.
         batches: use at most this many batches (per epoch for ``delta``).
-        microbatch: examples per vectorised per-example gradient (``fisher``):
-            they hold ``microbatch`` gradients of every scored element at
-            once, the memory that bounds ``fisher``. ``"auto"``: as many as
-            :data:`FISHER_MEMORY` bytes of float32 per-example gradients
-            hold, at most 16, at least 1 (one example of a model with more
-            than 64 M scored elements).
-        per_example: how ``fisher`` takes per-example gradients:
-            ``"vectorized"`` (``tf.vectorized_map``, ``jax.vmap``,
-            ``torch.func.vmap``), ``"loop"`` (one example after the other,
-            one gradient at a time: slower on TensorFlow and PyTorch, faster
-            on JAX on a CPU for dense models), or ``"auto"``: vectorised,
-            except the loop for models
-            with a ``MultiHeadAttention`` or ``Softmax`` layer on TensorFlow
-            (KerasHub's attention too: their vectorised gradient crashes
-            TensorFlow 2.21) and, on TensorFlow and PyTorch, from the first
-            microbatch the vectorised gradient fails on.
-        epochs: passes over the data for ``delta``.
-        optimizer: a fresh Keras optimizer for ``delta`` (default ``Adam(1e-3)``).
-        seed: seed of ``random``.
-        verbose: 1 shows a progress bar over the calibration batches.
+        options: the rarely set knobs, a dict of some of:
+
+            - ``largest`` (``True``): for ``magnitude``, the largest weights
+              (``False``: the smallest).
+            - ``microbatch`` (``"auto"``): examples per vectorised
+              per-example gradient (``fisher``); they hold ``microbatch``
+              gradients of every scored element at once, the memory that
+              bounds ``fisher``. ``"auto"``: as many as
+              :data:`FISHER_MEMORY` bytes of float32 gradients hold, 1 to 16.
+            - ``per_example`` (``"auto"``): how ``fisher`` takes per-example
+              gradients: ``"vectorized"`` (``tf.vectorized_map``,
+              ``jax.vmap``, ``torch.func.vmap``), ``"loop"`` (one example
+              after the other: slower on TensorFlow and PyTorch, faster on
+              JAX on a CPU for dense models), or ``"auto"``: vectorised,
+              except the loop for models with a ``MultiHeadAttention`` or
+              ``Softmax`` layer on TensorFlow (KerasHub's attention too:
+              their vectorised gradient crashes TensorFlow 2.21) and, on
+              TensorFlow and PyTorch, from the first microbatch the
+              vectorised gradient fails on.
+            - ``epochs`` (``1``): passes over the data for ``delta``.
+            - ``optimizer`` (``None``): a fresh Keras optimizer for
+              ``delta`` (``None``: ``Adam(1e-3)``).
+            - ``seed`` (``0``): seed of ``random``.
+            - ``verbose`` (``1``): 1 shows a progress bar over the
+              calibration batches, 0 nothing.
 
     Returns:
         ``Plan([freeze("**"), train(include)..., train(path, mask=chosen)...])``.
 
     Raises:
-        PlanError: unknown score, bad budget, a selector that selects
-            nothing, data in no known form, no loss, a score that is NaN,
-            a data score on a backend other than TensorFlow, JAX and
-            PyTorch, ``per_example="vectorized"`` on a model PyTorch's
-            ``vmap`` cannot batch.
+        PlanError: a bad budget (a bool, 0 or less, a float outside (0, 1],
+            a string that is not a percent, a count above the candidates),
+            an unknown key or a value of the wrong type in ``options`` (named,
+            with the valid keys), an unknown score, a selector that selects
+            nothing, data in no known form, no loss, a score that is NaN, a
+            data score on a backend other than TensorFlow, JAX and PyTorch,
+            ``per_example="vectorized"`` on a model PyTorch's ``vmap`` cannot
+            batch. Nothing is computed and the model is unchanged.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff
         >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="a"),
         ...                       keras.layers.Dense(2, name="head")], name="net")
-        >>> plan = ff.select(m, budget=5, score="magnitude", include="**/head/**")
+        >>> plan = ff.select(m, budget="20%", score="magnitude", include="**/head/**",
+        ...                  options={"largest": False})
         >>> frz = ff.Freezer(m, plan)
-        >>> frz.report()["totals"]["trainable_elements"]  # 5 chosen + the head's 8
-        13
+        >>> frz.report()["totals"]["trainable_elements"]  # 3 of a's 15 (the smallest |w|) + the head's 8
+        11
     """
-    batch_size, microbatch, batches, epochs = _check_arguments(
-        score, data, batch_size, microbatch, batches, epochs, structure, per_example
-    )
+    opts = check_options(options)
+    wanted = check_budget(budget)
+    batch_size, batches = check_arguments(score, data, batch_size, batches, structure)
     cand, allowed = _candidates(model, include, exclude)
-    k = _budget(budget, int(sum(np.count_nonzero(m) for m in allowed)))
+    k = count_of(wanted, int(sum(np.count_nonzero(m) for m in allowed)), budget)
+    microbatch = opts["microbatch"]
     if microbatch == "auto":
         microbatch = auto_microbatch(sum(vi.size for vi in cand))
     if score in DATA_SCORES:
         run = dict(score=score, loss=loss, batch_size=batch_size, limit=batches, microbatch=microbatch)
-        run.update(per_example=per_example, epochs=epochs, optimizer=optimizer, verbose=verbose)
+        run.update({k: opts[k] for k in ("per_example", "epochs", "optimizer", "verbose")})
         scores = _data_scores(model, cand, data, run)
     else:
-        rng = np.random.default_rng(seed)
-        scores = [static_score(score, np.asarray(vi.variable.numpy()), largest=largest, rng=rng) for vi in cand]
+        rng = np.random.default_rng(opts["seed"])
+        scores = [static_score(score, to_numpy(vi.variable), largest=opts["largest"], rng=rng) for vi in cand]
     for vi, s in zip(cand, scores):
         if np.isnan(s).any():
             raise PlanError(
@@ -249,33 +240,6 @@ def select(
         elif c.any():
             rules.append(train(rule_selector(vi.path), mask=c))
     return Plan(rules)
-
-
-def _check_arguments(score, data, batch_size, microbatch, batches, epochs, structure, per_example):
-    """``select``'s arguments checked (:class:`PlanError`), counts as Python ints (NumPy integers too)."""
-    if score not in SCORES:
-        raise PlanError(f"select: unknown score {score!r}; choose one of {', '.join(SCORES)}.")
-    for name, v in (("batch_size", batch_size), ("microbatch", microbatch), ("epochs", epochs)):
-        if name == "microbatch" and isinstance(v, str) and v == "auto":
-            continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            also = ' or "auto"' if name == "microbatch" else ""
-            raise PlanError(f"select: {name} must be an int >= 1{also}; got {v!r}.")
-    if batches is not None and (isinstance(batches, bool) or not isinstance(batches, numbers.Integral) or batches < 1):
-        raise PlanError(f"select: batches must be None or an int >= 1; got {batches!r}.")
-    if structure not in STRUCTURES:
-        raise PlanError(f"select: structure={structure!r}; choose one of {', '.join(map(repr, STRUCTURES))}.")
-    if per_example not in ("auto", "vectorized", "loop"):
-        raise PlanError(f"select: per_example={per_example!r}; choose 'auto', 'vectorized' or 'loop'.")
-    if score in DATA_SCORES:
-        need_gradients(score)
-    if score in DATA_SCORES and data is None:
-        raise PlanError(
-            f"select: score={score!r} needs data; pass data=(x, y), a tf.data.Dataset or an iterable of "
-            "batches, or use score='magnitude' or 'random'."
-        )
-    microbatch = microbatch if isinstance(microbatch, str) else int(microbatch)
-    return int(batch_size), microbatch, None if batches is None else int(batches), int(epochs)
 
 
 def _candidates(model, include, exclude) -> tuple[list, list[np.ndarray]]:

@@ -11,7 +11,7 @@ norm scales) are their own slices of one element. The result is a plan of
 slices, which a ``Dense``, ``EinsumDense`` or ``Conv`` kernel trains (with
 ``Freezer(..., gradients="sliced")``) at the
 slice's own cost (the weight gradient and optimizer state of the slice
-only, docs/strategies.md).
+only, docs/guarantees.md).
 
 - ``"rows"``: along the first axis: a ``Dense`` kernel's input rows, an
   ``Embedding``'s token rows;

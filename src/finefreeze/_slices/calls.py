@@ -77,15 +77,7 @@ class _Mark:
 
     def now(self) -> bool:
         """Whether the call hands the trained elements' gradient to the stand-in, were it traced now."""
-        return self.sliced and self.holder is not None and self.live() and not _watched(self)
-
-
-def _watched(mark) -> bool:
-    """``gradients="auto"`` while the frozen gradient's norm is recorded (FreezeBoard): the dense gradient."""
-    frz = mark.owner()
-    if frz is None or frz.gradients != "auto":
-        return False
-    return any(getattr(o, "recording_norms", False) for o in frz.optimizers())
+        return self.sliced and self.holder is not None and self.live()
 
 
 def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None, often: bool = False) -> bool:

@@ -40,7 +40,7 @@ their whole weight gradient instead.
 The trained elements' gradients are sums over the same products as the full
 weight gradient's, but the backend may sum a smaller product in another
 order: they equal the dense path's up to float rounding (the bound measured
-is in ``docs/strategies.md``). Half-precision inputs of the sampled product
+is in ``docs/guarantees.md``). Half-precision inputs of the sampled product
 are summed in float32, as a matmul sums them.
 """
 

@@ -99,10 +99,10 @@ def _upstream_ops(t) -> set:
 
 
 def train_op(frz, optimizer, loss, *, global_step=None, name: str | None = None, **kwargs: Any) -> tf.Operation:
-    """Build the train op of :meth:`GraphFreezer.minimize` (see the module docstring).
+    """Build the train op of :meth:`Freezer.minimize` (see the module docstring).
 
     Raises:
-        PlanError, TypeError: see :meth:`GraphFreezer.minimize`; nothing is added to the graph.
+        PlanError, TypeError: see :meth:`Freezer.minimize`; nothing is added to the graph.
     """
     _check_optimizer(optimizer, "minimize")
     _check_loss(frz, loss)
@@ -118,10 +118,10 @@ def train_op(frz, optimizer, loss, *, global_step=None, name: str | None = None,
 
 
 def apply_op(frz, optimizer, grads_and_vars, *, global_step=None, name: str | None = None) -> tf.Operation:
-    """Build the train op of :meth:`GraphFreezer.apply_gradients`.
+    """Build the train op of :meth:`Freezer.apply_gradients`.
 
     Raises:
-        PlanError, TypeError: see :meth:`GraphFreezer.apply_gradients`; nothing is added to the graph.
+        PlanError, TypeError: see :meth:`Freezer.apply_gradients`; nothing is added to the graph.
     """
     _check_optimizer(optimizer, "apply_gradients")
     _check_graph(frz)
@@ -131,7 +131,7 @@ def apply_op(frz, optimizer, grads_and_vars, *, global_step=None, name: str | No
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
             raise PlanError(f"grads_and_vars item {i} is not a (gradient, variable) pair: {pair!r}.")
         g, v = pair
-        s = frz.resolution.lookup(v)
+        s = frz._res.lookup(v)
         if s is None:
             raise PlanError(
                 f"grads_and_vars item {i}: variable {var_path(v) if isinstance(v, tf.Variable) else v!r} is not "
@@ -150,7 +150,7 @@ def apply_op(frz, optimizer, grads_and_vars, *, global_step=None, name: str | No
 
 def _apply(frz, optimizer, grads_and_vars, global_step, name) -> tf.Operation:
     """Select, apply, write back (the module docstring's steps 2-4), in the default graph."""
-    states = {id(s.variable): s for s in frz.resolution.states if s.state == PARTIAL}
+    states = {id(s.variable): s for s in frz._res.states if s.state == PARTIAL}
     with tf.compat.v1.name_scope(name, "finefreeze_train"):
         selected, restores = [], []
         for g, v in grads_and_vars:

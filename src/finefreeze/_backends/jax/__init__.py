@@ -109,35 +109,23 @@ def write_elements(variable, index: np.ndarray, values: np.ndarray) -> None:
 def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=None):
     """``functional.sampled_dots``, its transpose of ``x`` made once ``dy`` exists, in less compiled code.
 
-    ``x`` is a layer's input, kept from the forward pass. Its transpose
-    depended on it alone, and XLA's scheduler made every layer's during the
-    forward pass and held it to that layer's backward (152 M LLM, 1 %
-    scattered elements: 172 MB of transposed inputs at the step's peak). An
-    optimization barrier does not hold it back (XLA on a CPU expands it
-    before it schedules); ``x`` with one column of ``dy`` after its own
-    does, at the cost of that column (``a`` never reads it) and of
-    transposing a concatenation, which XLA on a CPU does more slowly than
-    an array's transpose (an 8,192 x 1,024 kernel's product: 14 ms against
-    9). ``x`` and ``dy`` transposed as one table would wait for ``dy`` too,
-    at fewer compiled instructions, but transpose more of it that way (the
-    product of an 8,192 x 1,024 kernel or a 1,024 x 8,192 one: 14-16 ms).
+    ``x`` (a layer's input, kept from the forward pass) gets one column of
+    ``dy`` appended, so that its transpose waits for ``dy``: otherwise XLA
+    makes every layer's transposed input during the forward pass and holds
+    it to that layer's backward, at the step's peak memory (an optimization
+    barrier does not hold it back on a CPU). Chunk columns are computed from
+    the flat indices as unsigned integers and the gathers promise in-bounds
+    indices (they are): less compiled code, which XLA holds for as long as
+    the step lives. The sums are the same bits.
 
-    What XLA compiles per scattered kernel is memory on a CPU: held for as
-    long as the step lives, and several times that while it compiles. Each
-    chunk's columns are computed from its flat indices as unsigned integers
-    (a signed division and remainder carry sign corrections), and the
-    gathers promise their indices in bounds (they are): no clamping or
-    filling code. The sums are the same bits.
-
-    ``window`` (see ``gathered.gathered_dots``): each chunk reads the
-    columns its pairs span of the sorted side, transposed by itself, and
-    no transpose of that side's whole array is made (a tied table's reverse
-    projection: the logits' gradient, 65 MB at 512 tokens of 32,000). Cut
-    and transposed in the chunk's own turn, XLA fuses the transpose into
-    the gathers, which then read it strided: the table's product took 1.8 x
-    as long. Here each turn of the loop (``lax.scan``) transposes the next
-    chunk's window into the loop's state while it gathers from the one
-    made in the turn before: a buffer of its own, read by rows (1.07 x).
+    ``window`` (see ``gathered.gathered_dots``): each chunk reads only the
+    columns its pairs span of the sorted side, transposed by itself, so no
+    transpose of that side's whole array exists (a tied table's reverse
+    projection: the logits' gradient). Each turn of a ``lax.scan``
+    transposes the next chunk's window into the loop's state while it
+    gathers from the one made in the turn before: a buffer of its own, read
+    by rows (cut in the chunk's own turn, XLA fuses the transpose into the
+    gathers, which then read it strided). docs/benchmarks.md has the times.
     """
     import jax
     import jax.numpy as jnp

@@ -77,7 +77,7 @@ def select_frozen_to_zero(mask, grad):
     return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
 
 
-def take_sparse(grad, idx, shape, block_rows=None):
+def take_sparse(grad, idx, shape):
     """``IndexedSlices`` over a compact vector: the entries of ``grad`` at the sorted flat indices ``idx``.
 
     For each row it touches, two ``searchsorted`` on ``idx`` (which XLA
@@ -86,10 +86,8 @@ def take_sparse(grad, idx, shape, block_rows=None):
     The unused slots (frozen elements) are ``0.0`` at position 0; adding
     ``+0.0`` changes no sum, so the inner optimizer's sparse update of the
     vector equals its update of those elements in the whole table, bit for
-    bit. A block of whole rows (``block_rows``) is found by rows.
+    bit.
     """
-    if block_rows is not None:
-        return _take_rows(grad, block_rows, shape, idx.dtype)
     row = math.prod(shape[1:])
     k = tf.shape(idx, out_type=idx.dtype)[0]
     start = tf.cast(grad.indices, idx.dtype) * row
@@ -108,31 +106,6 @@ def take_sparse(grad, idx, shape, block_rows=None):
     values = tf.where(used, values, tf.zeros_like(values))
     index = tf.where(used, pos, tf.zeros_like(pos))
     return tf.IndexedSlices(tf.reshape(values, (-1,)), tf.reshape(index, (-1,)), tf.reshape(k, (1,)))
-
-
-def _take_rows(grad, block_rows: tuple[int, int], shape, dtype):
-    """:func:`take_sparse` for a block of whole rows: the same entries, found by rows.
-
-    Each entry (a row of the table) inside the block gives its ``width``
-    elements at their place in ``compact``'s vector (the block's rows, flat),
-    in order, duplicates kept: an entry's row minus the block's first row
-    locates it. Outside the block, an XLA step keeps the entries (static
-    shapes) as ``0.0`` at position 0; a graph step drops them.
-    """
-    (lo, n), width = block_rows, math.prod(shape[1:])
-    pos = tf.cast(grad.indices, dtype) - lo
-    inside = (pos >= 0) & (pos < n)
-    rows = tf.reshape(grad.values, (-1, width))
-    if in_xla():
-        rows = tf.where(inside[:, None], rows, tf.zeros_like(rows))
-        pos = tf.where(inside, pos, tf.zeros_like(pos))
-        slot = tf.where(inside[:, None], tf.range(width, dtype=dtype)[None, :], tf.zeros((1, width), dtype))
-    else:
-        hit = tf.reshape(tf.where(inside), (-1,))
-        rows, pos = tf.gather(rows, hit), tf.gather(pos, hit)
-        slot = tf.range(width, dtype=dtype)[None, :]
-    index = pos[:, None] * width + slot
-    return tf.IndexedSlices(tf.reshape(rows, (-1,)), tf.reshape(index, (-1,)), tf.constant([n * width], dtype))
 
 
 def spread_sparse(standin_grad, trained: np.ndarray, shape):

@@ -52,7 +52,7 @@ def select_frozen_to_zero(mask, grad):
     return functional.select_frozen_to_zero(mask, densify(grad))
 
 
-def take_sparse(grad, idx, shape, block_rows=None):
+def take_sparse(grad, idx, shape):
     """The elements at ``idx`` of a sparse gradient of rows (0 in rows it holds no value for)."""
     import torch
 
@@ -60,12 +60,6 @@ def take_sparse(grad, idx, shape, block_rows=None):
     rows, values = grad.indices()[0], grad.values().reshape(grad.indices().shape[1], -1)
     if rows.numel() == 0:
         return torch.zeros(idx.shape, dtype=values.dtype, device=values.device)
-    if block_rows is not None:  # a block of whole rows, flat: each row at its place
-        lo, n = block_rows
-        rows = rows - lo
-        inside = torch.nonzero((rows >= 0) & (rows < n)).squeeze(1)
-        out = torch.zeros((n, values.shape[1]), dtype=values.dtype, device=values.device)
-        return out.index_copy_(0, rows.index_select(0, inside), values.index_select(0, inside)).reshape(-1)
     width = math.prod(shape[1:])
     idx = idx.long()
     want = idx // width

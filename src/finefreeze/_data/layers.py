@@ -1,14 +1,9 @@
-"""Keras layers of the bundled example model, registered for ``keras.models.load_model``.
+"""The Keras layer of the bundled example model, registered for ``keras.models.load_model``.
 
 The models that ``finefreeze finetune`` writes (``base.keras``,
-``tuned.keras``) use these layers. They are registered with Keras under the
-package name ``finefreeze`` as soon as Keras is imported after
-``import finefreeze``, so such files load with ``import finefreeze`` alone.
-
-Example:
-    >>> import finefreeze as ff
-    >>> ff.layers.__all__
-    ['PositionEmbedding']
+``tuned.keras``) use it. It is registered with Keras under the package name
+``finefreeze`` as soon as Keras is imported after ``import finefreeze``, so
+such files load with ``import finefreeze`` alone.
 """
 
 from __future__ import annotations
@@ -27,8 +22,8 @@ class PositionEmbedding(keras.layers.Layer):
 
     Example:
         >>> import keras, numpy as np
-        >>> import finefreeze as ff
-        >>> layer = ff.layers.PositionEmbedding(name="pos")
+        >>> from finefreeze._data.layers import PositionEmbedding
+        >>> layer = PositionEmbedding(name="pos")
         >>> y = layer(np.zeros((2, 16, 8), "float32"))
         >>> y0, table = keras.ops.convert_to_numpy(y[0]), keras.ops.convert_to_numpy(layer.embeddings)
         >>> tuple(table.shape), bool(np.array_equal(y0, table))
