@@ -190,7 +190,7 @@ def test_budget_is_exact_for_counts_and_fractions(budget):
     n = sum(int(np.prod(v.shape)) for v in weights_of(m))
     want = budget if isinstance(budget, int) else max(1, int(np.floor(budget * n + 0.5)))
     for per_variable in (False, True):
-        c = chosen(m, ff.select(m, budget=budget, score="random", per_variable=per_variable))
+        c = chosen(m, ff.select(m, budget=budget, score="random", spread="variable" if per_variable else "model"))
         assert sum(int(v.sum()) for v in c.values()) == want
 
 
@@ -211,7 +211,7 @@ def test_per_variable_quota_is_proportional_and_top_k_inside_each_variable():
     x, y = data()
     fisher = per_example_fisher(m, x, y)
     c = chosen(
-        m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, per_variable=True, options={"verbose": 0})
+        m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, spread="variable", options={"verbose": 0})
     )
     sizes = [int(np.prod(v.shape)) for v in weights_of(m)]
     k = int(np.floor(0.25 * sum(sizes) + 0.5))

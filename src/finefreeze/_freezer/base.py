@@ -28,6 +28,7 @@ from finefreeze._report.groups import format_groups, wants_detail
 from finefreeze._report.plot import plot
 from finefreeze._report.report import KERAS_WORDS, build_report, format_summary
 from finefreeze._resolve.resolve import Resolution, VarState, closest
+from finefreeze._resolve.standins import standin_note
 from finefreeze._slices.choose import slice_eligible, standin_of
 
 __all__ = ["FreezerBase", "as_plan", "refuse_graph"]
@@ -151,6 +152,9 @@ class FreezerBase(abc.ABC):
         st = self._res.by_path(path)
         if st is None:
             paths = [p for s in self._res.states for p in s.info.names]
+            note = standin_note(path, [s.variable for s in self._res.states])
+            if note:
+                raise PlanError(f"no variable of this Freezer's plan has path {path!r}{note}.")
             raise PlanError(
                 f"no variable with path {path!r} in this {self._target_word}; "
                 f"closest: {', '.join(closest(path, paths))}."

@@ -16,7 +16,7 @@ __all__ = ["Plan", "BATCHNORM"]
 #: Values of ``Plan(batchnorm=...)``.
 BATCHNORM = ("keras", "frozen", "train", "stats", "affine")
 
-_RULE_KEYS = {"mask", "indices", "lr_scale"}
+_RULE_KEYS = {"mask", "indices", "lr_scale", "rows", "columns", "heads"}
 
 
 class Plan:
@@ -192,6 +192,7 @@ class Plan:
                     raise PlanError(f"{where}: mask is not a rectangular array: {e}") from None
             if "indices" in r:
                 kwargs["indices"] = r["indices"]
+            kwargs.update({word: r[word] for word in ("rows", "columns", "heads") if word in r})
             if "lr_scale" in r:
                 if action != "train":
                     raise PlanError(f"{where}: lr_scale belongs to train rules only.")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import re
 import zlib
 from collections.abc import Callable, Sequence
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,8 @@ class Rule:
     indices: tuple[tuple[int, ...], ...] | None = None
     where: Callable | None = None
     lr_scale: float | None = None
+    #: ``(("columns", 0.01),)``: the first fraction of each matched variable's slices along the word's axis
+    slices: tuple[tuple[str, float], ...] = ()
 
     @property
     def freezes(self) -> bool:
@@ -46,7 +50,7 @@ class Rule:
 
     @property
     def picks_elements(self) -> bool:
-        return any(x is not None for x in (self.index, self.mask, self.indices, self.where))
+        return bool(self.slices) or any(x is not None for x in (self.index, self.mask, self.indices, self.where))
 
     def __repr__(self) -> str:
         first = repr(self.selector)
@@ -59,6 +63,7 @@ class Rule:
             args.append(f"indices={[list(t) for t in self.indices]}")
         if self.where is not None:
             args.append(f"where={getattr(self.where, '__name__', 'callable')}")
+        args += [f"{word}={value!r}" for word, value in self.slices]
         if self.lr_scale is not None:
             args.append(f"lr_scale={self.lr_scale}")
         return f"{self.action}({', '.join(args)})"
@@ -94,6 +99,7 @@ class Rule:
                 "file. The resolved masks persist with the optimizer and in delta "
                 "files; for a plan file, use mask= or indices=."
             )
+        d.update(self.slices)
         if self.lr_scale is not None:
             d["lr_scale"] = self.lr_scale
         return d
@@ -235,7 +241,30 @@ def decode_mask(value, where: str) -> PackedMask:
     return PackedMask.from_bits(raw, shape)
 
 
-def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
+_FRACTION_RULE = 'a fraction of the slices: a float in (0, 1] or a percent such as "1%"'
+_PERCENT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*")
+
+
+def _fraction(action, selector, word, value) -> float:
+    """``value`` of ``rows=`` / ``columns=`` / ``heads=`` as a float in (0, 1]."""
+    said = f"{action}({selector!r}, {word}={value!r})"
+    if isinstance(value, str):
+        m = _PERCENT.fullmatch(value)
+        if m is not None and 0 < Decimal(m.group(1)) <= 100:
+            return float(Decimal(m.group(1)) / 100)
+        raise PlanError(f"{said}: not a percent in (0, 100]; {word}= is {_FRACTION_RULE}.")
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, (int, np.integer)):
+        raise PlanError(
+            f"{said}: {word}= is {_FRACTION_RULE}, not a count; for the first {value} {word} of one variable "
+            f"write an index suffix such as '[:{value}]' (rows) or '[..., :{value}]' (columns)."
+        )
+    if isinstance(value, (float, np.floating)) and 0 < value <= 1:
+        return float(value)
+    hint = f' For {value:g} % write {word}="{value:g}%".' if isinstance(value, float) and 1 < value <= 100 else ""
+    raise PlanError(f"{said}: {word}= is {_FRACTION_RULE}.{hint}")
+
+
+def _make(action, selector, mask, indices, where, lr_scale, slices=None) -> Rule:
     sel, suffix = to_selector(selector)
     index = None
     if suffix is not None:
@@ -271,7 +300,10 @@ def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
                 f"freeze them: ff.freeze({selector!r})."
             )
         lr_scale = float(lr_scale)
-    return Rule(action, sel, index, mask, indices, where, lr_scale)
+    fractions = tuple(
+        (word, _fraction(action, selector, word, value)) for word, value in (slices or {}).items() if value is not None
+    )
+    return Rule(action, sel, index, mask, indices, where, lr_scale, fractions)
 
 
 def _integer(i) -> int:
@@ -304,6 +336,9 @@ def freeze(
     mask: np.ndarray | None = None,
     indices: Sequence[Sequence[int]] | None = None,
     where: Callable[[np.ndarray], np.ndarray] | None = None,
+    rows: float | str | None = None,
+    columns: float | str | None = None,
+    heads: float | str | None = None,
 ) -> Rule:
     """A rule that freezes what ``selector`` (and the element pickers) select.
 
@@ -316,12 +351,24 @@ def freeze(
         indices: list of index tuples, one per picked element.
         where: callable on the variable's numpy value returning a bool array.
             Evaluated once, when the plan is resolved.
+        rows: pick the first fraction of each selected variable's rows (its
+            first axis): a float in (0, 1] or a percent such as ``"1%"``;
+            rounded half up, at least one row.
+        columns: the same along the last axis (a ``Dense`` kernel's output
+            units, a q/k/v kernel's head features).
+        heads: the same along the heads axis of an attention projection's
+            three-axis ``EinsumDense`` kernel (docs/selectors.md has the axis
+            of each word per layer kind).
+
+    Element pickers combine: an element is picked where every one given picks it.
 
     Returns:
         An immutable :class:`Rule`.
 
     Raises:
-        PlanError: bad glob, regex or index syntax, non-bool mask, bad indices.
+        PlanError: bad glob, regex or index syntax, non-bool mask, bad indices,
+            a fraction outside (0, 1] or not a float or percent; at resolution,
+            ``heads=`` on a variable with no heads axis.
 
     Example:
         >>> import finefreeze as ff
@@ -329,8 +376,10 @@ def freeze(
         freeze('encoder/**')
         >>> ff.freeze("emb/embeddings[:1000]")
         freeze('emb/embeddings[:1000]')
+        >>> ff.freeze("**/kernel", rows="50%")
+        freeze('**/kernel', rows=0.5)
     """
-    return _make("freeze", selector, mask, indices, where, None)
+    return _make("freeze", selector, mask, indices, where, None, dict(rows=rows, columns=columns, heads=heads))
 
 
 def train(
@@ -340,6 +389,9 @@ def train(
     indices: Sequence[Sequence[int]] | None = None,
     where: Callable[[np.ndarray], np.ndarray] | None = None,
     lr_scale: float | None = None,
+    rows: float | str | None = None,
+    columns: float | str | None = None,
+    heads: float | str | None = None,
 ) -> Rule:
     """A rule that makes what ``selector`` selects trainable.
 
@@ -351,6 +403,9 @@ def train(
         mask: see :func:`freeze`.
         indices: see :func:`freeze`.
         where: see :func:`freeze`.
+        rows: see :func:`freeze`.
+        columns: see :func:`freeze`.
+        heads: see :func:`freeze`.
         lr_scale: multiplies the selected elements' whole optimizer step
             (weight decay included); ``None`` means 1.
 
@@ -364,5 +419,7 @@ def train(
         >>> import finefreeze as ff
         >>> ff.train("head/**", lr_scale=0.1)
         train('head/**', lr_scale=0.1)
+        >>> ff.train("**/attention/**/kernel", columns="1%")  # the first 1 % of each kernel's columns
+        train('**/attention/**/kernel', columns=0.01)
     """
-    return _make("train", selector, mask, indices, where, lr_scale)
+    return _make("train", selector, mask, indices, where, lr_scale, dict(rows=rows, columns=columns, heads=heads))
