@@ -8,8 +8,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from finefreeze._errors import PlanError
+from finefreeze._plan.packed import decode_mask
 from finefreeze._plan.planfile import read_plan_file, write_plan_file
-from finefreeze._plan.rules import Rule, decode_mask, freeze, train
+from finefreeze._plan.rules import Rule, freeze, train
 
 __all__ = ["Plan", "BATCHNORM"]
 
