@@ -19,7 +19,6 @@ import tempfile
 
 import keras
 import keras_hub
-import numpy as np
 import sentencepiece as spm
 
 import finefreeze as ff
