@@ -178,20 +178,15 @@ def require_causal_lm(model, path: str):
 def default_plan(model) -> Plan:
     """The plan of a causal LM fine-tuned without ``--plan``: 1 % of the columns of every kernel, and the norms.
 
-    Every kernel of the backbone (the attention's query, key, value and
-    output projections, the feed-forward layers) trains its first 1 % of
-    columns (its last axis; rounded half up, at least one); every
-    normalisation layer trains in full; the rest (the token embedding
-    included) is frozen.
+    Every kernel (the attention's query, key, value and output projections,
+    the feed-forward layers) trains its first 1 % of columns (its last axis;
+    rounded half up, at least one); every normalisation layer trains in
+    full; the rest (the token embedding included) is frozen.
     """
-    rules = [freeze("**")]
-    backbone = getattr(model, "backbone", model)
-    for layer in all_layers(backbone, include_self=False):
+    rules = [freeze("**"), train("**/kernel", columns=COLUMNS)]
+    for layer in all_layers(getattr(model, "backbone", model), include_self=False):
         if "norm" in type(layer).__name__.lower():
             rules += [train(v.path) for v in layer.trainable_weights]
-    for v in backbone.trainable_weights:
-        if v.path.endswith("/kernel") and len(v.shape) >= 2:
-            rules.append(train(f"{v.path}[..., :{max(1, math.floor(COLUMNS * v.shape[-1] + 0.5))}]"))
     return Plan(rules)
 
 
