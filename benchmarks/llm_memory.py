@@ -207,6 +207,7 @@ def child(a) -> dict:
                          options={"verbose": 0})  # fmt: skip
         out["seconds"] = time.perf_counter() - t0
         out["examples"] = a.examples
+        out["peak_mb_elements"] = peak_mb()  # the selection's peak (its first batch's run included)
         plan.save(os.path.join(a.workdir, "fisher.json"))
         t0 = time.perf_counter()
         cols = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", **SELECT, structure="columns",
@@ -389,9 +390,10 @@ def memory_table(a) -> None:
             f"\nselect(score='fisher', budget=1 %): {s['examples']} examples in {s['seconds']:.1f} s, "
             f"one batch of {BATCH} in {s['seconds_one_batch']:.1f} s (compiling included): {per:.2f} s per example"
         )
-        line += f", columns {s['seconds_columns']:.1f} s; peak {s['peak_mb']:,.0f} MB"
+        line += f", columns {s['seconds_columns']:.1f} s; peak {s['peak_mb_elements']:,.0f} MB"
+        line += f" (after the columns' selection too: {s['peak_mb']:,.0f} MB)"
         if full is not None:
-            line += f" ({s['peak_mb'] / full:.2f} x full fine-tuning's peak"
+            line += f" ({s['peak_mb_elements'] / full:.2f} x full fine-tuning's peak, {s['peak_mb'] / full:.2f} with columns"
             line += f"; full's step per example {rows['full']['step_s'] / BATCH:.2f} s)"
         print(line)
 
