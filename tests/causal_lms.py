@@ -37,8 +37,9 @@ FAMILIES = {
         preprocessor=keras_hub.models.GemmaCausalLMPreprocessor,
         backbone=keras_hub.models.GemmaBackbone,
         task=keras_hub.models.GemmaCausalLM,
-        config=dict(num_layers=2, hidden_dim=16, intermediate_dim=32, num_query_heads=2, num_key_value_heads=1,
-                    head_dim=8),
+        config=dict(
+            num_layers=2, hidden_dim=16, intermediate_dim=32, num_query_heads=2, num_key_value_heads=1, head_dim=8
+        ),
     ),
     "llama": dict(
         pieces=("<pad>", "</s>", "<s>", "<unk>"),
@@ -56,9 +57,21 @@ def sentencepiece_proto(family: str, vocab: int = 40) -> bytes:
     pad, eos, bos, unk = FAMILIES[family]["pieces"]
     out = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_writer=out, vocab_size=vocab, model_type="unigram",
-        hard_vocab_limit=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece=pad, eos_piece=eos,
-        bos_piece=bos, unk_piece=unk, minloglevel=2, num_threads=1,
+        sentence_iterator=iter(CORPUS),
+        model_writer=out,
+        vocab_size=vocab,
+        model_type="unigram",
+        hard_vocab_limit=False,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece=pad,
+        eos_piece=eos,
+        bos_piece=bos,
+        unk_piece=unk,
+        minloglevel=2,
+        num_threads=1,
     )
     return out.getvalue()
 
