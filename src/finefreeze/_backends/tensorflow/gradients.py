@@ -31,29 +31,18 @@ class Gradients(Grads):
             for a, g in zip(accs, grads(x, y)):
                 a.assign_add(tf.abs(g))
 
-        @tf.function(reduce_retracing=True)
-        def example_step(xi, yi):  # one example's squares added one variable after the other
-            done = []
-            for a, g in zip(accs, grads(one_example(xi), one_example(yi))):
-                with tf.control_dependencies(done):  # one variable's square at a time, not every one at once
-                    done = [a.assign_add(tf.square(g))]
-
         def fisher_step(loop: bool):
-            if loop:  # an example at a time: one gradient alive, never a stacked batch of them and their sum
-
-                def looped(x, y):
-                    for i in range(len(y)):
-                        example_step(keras.tree.map_structure(lambda t, i=i: t[i], x), y[i])
-
-                return looped
-
             @tf.function(reduce_retracing=True)
             def step(x, y):
                 def one(xy):
                     xi, yi = xy
                     return [tf.square(g) for g in grads(one_example(xi), one_example(yi))]
 
-                squares = tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)
+                if loop:
+                    spec = [tf.TensorSpec(w.shape, tf.float32) for w in watched]
+                    squares = tf.map_fn(one, (x, y), fn_output_signature=spec)
+                else:
+                    squares = tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)
                 sums = [tf.reduce_sum(sq, axis=0) for sq in squares]
                 with tf.control_dependencies(sums):  # no accumulator changes unless every gradient was taken
                     for a, total in zip(accs, sums):
