@@ -96,7 +96,11 @@ def test_prompts_and_responses_train_on_the_responses_with_select(tmp_path, caps
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["finetune"]["sample"]["prompt"] == rows[-(len(rows) // 10)]["prompt"]
     totals = report["totals"]
-    assert totals["trainable_elements"] == round(0.05 * (totals["trainable_elements"] + totals["frozen_elements"]))
+    # docs/llm.md's recipe: 5 % of every element but the token table's, spread over the kinds of variable
+    table = next(v for v in report["variables"] if v["path"] == "token_embedding/embeddings")
+    total = totals["trainable_elements"] + totals["frozen_elements"]
+    assert table["state"] == "frozen"
+    assert totals["trainable_elements"] == round(0.05 * (total - 40 * 16))
 
 
 def test_the_loss_counts_the_responses_tokens_only(tmp_path):
@@ -128,6 +132,9 @@ def test_the_loss_counts_the_responses_tokens_only(tmp_path):
         ("delta of another base", "frozen"),
         ("preset without a task", "holds no causal language model"),
         ("missing preset", "does not exist"),
+        ("empty prompt", "the prompt is empty"),
+        ("prompt longer than --max-length", "leaves none to generate (the prompt counts); raise --max-length above"),
+        ("a corpus for a backbone", "a .txt corpus trains a KerasHub causal LM"),
     ],
 )
 def test_bad_inputs_exit_2_with_one_line(run, case, message, tmp_path, capsys):
@@ -157,6 +164,17 @@ def test_bad_inputs_exit_2_with_one_line(run, case, message, tmp_path, capsys):
             tuned = keras.models.load_model(root / "out" / "tuned.keras", compile=False)
         tuned.backbone.save_to_preset(str(tmp_path / "backbone"))
         argv = ["generate", str(tmp_path / "backbone"), "the cat"]
+    elif case == "empty prompt":
+        argv = ["generate", preset, "  "]
+    elif case == "prompt longer than --max-length":
+        argv = ["generate", preset, "--max-length", "3", "the cat sat on the mat"]
+    elif case == "a corpus for a backbone":
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+            tuned = keras.models.load_model(root / "out" / "tuned.keras", compile=False)
+        tuned.backbone.save_to_preset(str(tmp_path / "backbone"))
+        (tmp_path / "c.txt").write_text("a b c\nd e f\n")
+        argv = ["finetune", str(tmp_path / "backbone"), "-o", str(tmp_path / "out"), "--data", str(tmp_path / "c.txt")]
     else:
         argv = ["generate", str(tmp_path / "nowhere"), "the cat"]
     capsys.readouterr()
@@ -175,3 +193,11 @@ def test_generate_refuses_a_classifier_preset(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "classifier"), "the cat"]) == 2
     err = capsys.readouterr().err
     assert "holds no causal language model" in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_takes_one_delta(run, capsys):
+    root, _ = run
+    delta = str(root / "out" / "delta.safetensors")
+    with pytest.raises(SystemExit) as e:
+        main(["generate", str(root / "preset"), "--delta", delta, "--delta", delta, "the cat"])
+    assert e.value.code == 2 and "--delta is given twice" in capsys.readouterr().err

@@ -109,7 +109,7 @@ def test_heads_columns_and_rows_of_gemma_and_llama_attention_kernels():
         (dict(columns=1.5), r"a float in \(0, 1\]"),
         (dict(columns=5.0), r'For 5 % write columns="5%"'),
         (dict(rows=2), r"not a count.*'\[:2\]'"),
-        (dict(heads=True), "not a count"),
+        (dict(heads=True), "not a bool"),
         (dict(columns="0%"), r"not a percent in \(0, 100\]"),
         (dict(columns="ten%"), "not a percent"),
     ],

@@ -489,7 +489,7 @@ def test_spread_as_shares_of_the_budget_per_selector():
     "spread, match",
     [
         ("layers", "spread='layers'; choose one of 'model', 'variable', 'kind', 'block'"),
-        ({"**/nothing/**": 1}, r"spread= .*'\*\*/nothing/\*\*'\) selects nothing"),
+        ({"**/nothing/**": 1}, r"spread's selector '\*\*/nothing/\*\*' selects no variable of the model"),
         ({"**/attention/**": 1, "**/attention/query/**": 1}, "picks no candidate"),
         ({"**/attention/**": 0}, "a share is a number > 0"),
         ({"**/attention/query/**": 1, "**/ffw_*/**": 1000}, "but it has .* candidates"),

@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import numpy as np
 
+from finefreeze._backends.arrays import to_numpy
 from finefreeze._cli.presets import check_preset, digest_folder, load_preset
 from finefreeze._files.atomic import UserError
 from finefreeze._keras.instances import set_tag, tag
@@ -231,10 +233,23 @@ def generate_text(model, prompt: str, max_length: int) -> str:
     if detached is not None:
         model.preprocessor = detached
     try:
+        if not prompt.strip():
+            raise UserError("the prompt is empty; give the text to continue")
+        n = int(np.sum(to_numpy(model.preprocessor.generate_preprocess([prompt])["padding_mask"])))
+        if n >= max_length:
+            raise UserError(
+                f"the prompt is {n} tokens, --max-length {max_length} leaves none to generate (the prompt counts); "
+                f"raise --max-length above {n}"
+            )
         if not isinstance(getattr(model, "sampler", None), keras_hub.samplers.GreedySampler):
             model.sampler = keras_hub.samplers.GreedySampler()
             model.generate_function = None  # it holds the sampler it was made with
-        return str(model.generate(prompt, max_length=max_length))
+        try:
+            return str(model.generate(prompt, max_length=max_length))
+        except (MemoryError, RuntimeError) as e:  # the frameworks' out-of-memory errors are RuntimeErrors
+            if not re.search(r"RESOURCE_EXHAUSTED|allocate|out of memory", str(e), re.IGNORECASE):
+                raise
+            raise UserError(f"--max-length {max_length}: out of memory generating that many tokens; lower it") from None
     finally:
         if detached is not None:
             model.preprocessor = None

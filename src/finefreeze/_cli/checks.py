@@ -65,6 +65,11 @@ def check_finetune(
         )
     if model_path is not None:
         check_model_file(model_path, preset=True)
+        if data is not None and data.endswith(".txt") and not is_causal_preset(model_path):
+            raise UserError(
+                f"--data {data!r}: a .txt corpus trains a KerasHub causal LM, and {model_path!r} holds none; "
+                f"give {data_kind(model_path)}"
+            )
         needs_plan = not plan_written and not is_causal_preset(model_path)
         if plan is None and needs_plan and plan_from_keras_file(model_path) is None:
             raise UserError(f"--plan PLAN (or --select SCORE) is required with a model ({model_path!r} holds no plan)")

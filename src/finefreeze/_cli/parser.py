@@ -22,6 +22,15 @@ MAX_LENGTH = 64
 _PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
 
 
+class _Once(argparse.Action):
+    """An option given at most once (argparse would keep the last of several silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} is given twice; give it once")
+        setattr(namespace, self.dest, values)
+
+
 def _command(sub, name: str, fn, help: str, description: str) -> argparse.ArgumentParser:
     """One subcommand: its parser, help line, description and handler."""
     p = sub.add_parser(name, help=help, description=description)
@@ -50,7 +59,7 @@ def _finetune(sub, fn: Callable) -> None:
         "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
         "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to the run folder (-o/--out). "
         "MODEL may be a KerasHub preset folder with text data (--data texts.csv): a text classifier, or, when the "
-        "preset holds a causal LM, fine-tuned on a corpus (--data corpus.txt) under a default plan that trains 1%% "
+        "preset holds a causal LM, fine-tuned on a corpus (--data corpus.txt) under a default plan that trains 1% "
         "of the columns of every attention and feed-forward kernel and the norms. "
         "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
         "plan that trains only the new embedding rows and the head.",
@@ -169,5 +178,10 @@ def _generate(sub, fn: Callable) -> None:
     )
     gen.add_argument("model", help="a KerasHub CausalLM preset folder (save_to_preset) or a tuned causal LM's .keras")
     gen.add_argument("prompt", help="the text to continue")
-    gen.add_argument("--delta", help="a .safetensors delta of MODEL (finetune's delta.safetensors) to apply first")
+    gen.add_argument(
+        "--delta",
+        action=_Once,
+        help="a .safetensors delta of MODEL (finetune's delta.safetensors) to apply first; merge several with "
+        "finefreeze delta apply",
+    )
     gen.add_argument("--max-length", type=int, default=64, help="tokens at most, the prompt's included (default: 64)")

@@ -148,7 +148,15 @@ class FreezerBase(abc.ABC):
                     out.append(standin)
         return out
 
-    def _state(self, path: str) -> VarState:
+    def _state(self, path) -> VarState:
+        if not isinstance(path, str):  # a variable given for its path
+            st = self._res.lookup(path)
+            if st is not None:
+                return st
+            name = getattr(path, "path", None)
+            if not isinstance(name, str):
+                raise PlanError(f"a variable's path (a str) or the variable itself is asked for; got {path!r}.")
+            path = name
         st = self._res.by_path(path)
         if st is None:
             paths = [p for s in self._res.states for p in s.info.names]
@@ -161,18 +169,31 @@ class FreezerBase(abc.ABC):
             )
         return st
 
-    def frozen_mask(self, path: str) -> np.ndarray:
+    def frozen_mask(self, path: str | Any) -> np.ndarray:
         """Bool array of the variable's shape, True where an element is frozen.
 
         Variables Keras does not train are all True.
 
+        Args:
+            path: the variable's path (``"dense/kernel"``), or the variable itself.
+
+        Returns:
+            A new bool array.
+
         Raises:
-            PlanError: no variable has that path.
+            PlanError: no variable has that path (a stand-in's path names the kernel it stands for).
         """
         return self._state(path).frozen_mask()
 
-    def variable_state(self, path: str) -> str:
-        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
+    def variable_state(self, path: str | Any) -> str:
+        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``: the state of one variable.
+
+        Args:
+            path: the variable's path, or the variable itself.
+
+        Raises:
+            PlanError: as :meth:`frozen_mask`.
+        """
         return self._state(path).state
 
     def _optimizers(self) -> list:

@@ -116,7 +116,9 @@ def _fraction(action, selector, word, value) -> float:
         if m is not None and 0 < Decimal(m.group(1)) <= 100:
             return float(Decimal(m.group(1)) / 100)
         raise PlanError(f"{said}: not a percent in (0, 100]; {word}= is {_FRACTION_RULE}.")
-    if isinstance(value, (bool, np.bool_)) or isinstance(value, (int, np.integer)):
+    if isinstance(value, (bool, np.bool_)):
+        raise PlanError(f"{said}: {word}= is {_FRACTION_RULE}, not a bool.")
+    if isinstance(value, (int, np.integer)):
         raise PlanError(
             f"{said}: {word}= is {_FRACTION_RULE}, not a count; for the first {value} {word} of one variable "
             f"write an index suffix such as '[:{value}]' (rows) or '[..., :{value}]' (columns)."

@@ -308,6 +308,8 @@ def _check_hits(plan, target, hits, untrained_hits):
         else:
             why = "no variable path matches it"
             pattern = getattr(rule.selector, "pattern", None)
+            if not isinstance(pattern, str):  # a variable given itself: its path
+                pattern = getattr(getattr(rule.selector, "variable", None), "path", None)
             if isinstance(pattern, str):
                 why += standin_note(pattern, [vi.variable for vi in target.variables])
             regex = getattr(rule.selector, "regex", None)

@@ -15,7 +15,7 @@ from finefreeze._errors import PlanError
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
 from finefreeze._resolve.blocks import blocks
-from finefreeze._resolve.resolve import FROZEN, UNTRAINED, resolve
+from finefreeze._resolve.resolve import FROZEN, UNTRAINED, closest, resolve
 from finefreeze._resolve.targets import collect
 from finefreeze._select.arguments import check_arguments, check_budget, check_options, count_of
 from finefreeze._select.scores import DATA_SCORES, static_score, stream_scores
@@ -341,7 +341,14 @@ def _shared(spread: Mapping, model, cand, sizes: list[int], k: int) -> list[tupl
     for selector, share in spread.items():
         if isinstance(share, (bool, np.bool_)) or not isinstance(share, numbers.Real) or not share > 0:
             raise PlanError(f"select: spread[{selector!r}] = {share!r}; a share is a number > 0.")
-        picked = _selected(selector, target, "spread")
+        try:
+            picked = _selected(selector, target, "spread")
+        except PlanError:
+            paths = [vi.path for vi in cand]
+            raise PlanError(
+                f"select: spread's selector {selector!r} selects no variable of the model; candidates are "
+                f"{', '.join(closest(str(selector), paths))}, ... Fix the selector or drop it."
+            ) from None
         m = [i for i, vi in enumerate(cand) if vi.path in picked and i not in taken]
         if not m:
             raise PlanError(
