@@ -20,7 +20,6 @@ import re
 
 import numpy as np
 
-from finefreeze._backends.arrays import to_numpy
 from finefreeze._cli.presets import check_preset, digest_folder, load_preset
 from finefreeze._files.atomic import UserError
 from finefreeze._keras.instances import set_tag, tag
@@ -227,6 +226,7 @@ def perplexity(model, val: tuple, batch_size: int) -> float:
 
 def generate_text(model, prompt: str, max_length: int) -> str:
     """Greedy text from ``prompt`` (at most ``max_length`` tokens, the prompt's included): the same text every run."""
+    import keras
     import keras_hub
 
     detached = tag(model, "_finefreeze_preprocessor", None)
@@ -235,7 +235,8 @@ def generate_text(model, prompt: str, max_length: int) -> str:
     try:
         if not prompt.strip():
             raise UserError("the prompt is empty; give the text to continue")
-        n = int(np.sum(to_numpy(model.preprocessor.generate_preprocess([prompt])["padding_mask"])))
+        mask = model.preprocessor.generate_preprocess([prompt])["padding_mask"]
+        n = int(np.sum(keras.ops.convert_to_numpy(mask)))
         if n >= max_length:
             raise UserError(
                 f"the prompt is {n} tokens, --max-length {max_length} leaves none to generate (the prompt counts); "
