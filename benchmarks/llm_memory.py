@@ -21,7 +21,8 @@ Variants (trained elements at the default size in brackets):
 - ``scattered-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``scattered-table``: 1 % of the elements of the tied token embedding, drawn at random (their
   rows are nearly every row: no block of rows is small), and the norms;
-- ``fisher``: 1 % of the kernels' elements, chosen by ``ff.select(score="fisher")``;
+- ``fisher``: 1 % of the kernels' elements, chosen by ``ff.select(score="fisher")`` with the
+  recipe of docs/llm.md (:data:`SELECT`: the table excluded, ``spread="kind"``);
 - ``fisher-columns``: the same budget in whole columns (``structure="columns"``);
 - ``select``: the fisher selection itself: its peak, and its time per example after its
   first batch (the selection of one batch is timed first; the first microbatch traces and
@@ -94,6 +95,9 @@ NEW_ROWS = 100
 FRACTION = 0.01
 BATCH, TOKENS = 4, 128
 NORMS = ["**/*norm*/scale"]
+#: ``select``'s recipe for a decoder LM (docs/llm.md): the table left out, the budget spread over every kind of
+#: projection in proportion to its size, the norms trained in full
+SELECT = dict(include=NORMS, exclude="**/token_embedding/**", spread="kind")
 #: the decoder's projections (every kernel ``columns`` and ``scattered`` train)
 PROJECTIONS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
 
@@ -196,18 +200,18 @@ def child(a) -> dict:
         # training step's first step does); the difference of the two runs is the examples' own time
         first = {k: v[:BATCH] for k, v in xs.items()}, ys[:BATCH]
         t0 = time.perf_counter()
-        ff.select(model, first, budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
-                  batch_size=BATCH, options={"verbose": 0})  # fmt: skip
+        ff.select(model, first, budget=FRACTION, score="fisher", **SELECT, batch_size=BATCH, options={"verbose": 0})
         out["seconds_one_batch"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        plan = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
-                         batch_size=BATCH, options={"verbose": 0})  # fmt: skip
+        plan = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", **SELECT, batch_size=BATCH,
+                         options={"verbose": 0})  # fmt: skip
         out["seconds"] = time.perf_counter() - t0
         out["examples"] = a.examples
+        out["peak_mb_elements"] = peak_mb()  # the selection's peak (its first batch's run included)
         plan.save(os.path.join(a.workdir, "fisher.json"))
         t0 = time.perf_counter()
-        cols = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", include=NORMS, exclude="**/embeddings",
-                         structure="columns", batch_size=BATCH, options={"verbose": 0})  # fmt: skip
+        cols = ff.select(model, (xs, ys), budget=FRACTION, score="fisher", **SELECT, structure="columns",
+                         batch_size=BATCH, options={"verbose": 0})  # fmt: skip
         out["seconds_columns"] = time.perf_counter() - t0
         cols.save(os.path.join(a.workdir, "fisher-columns.json"))
         out["peak_mb"] = peak_mb()
@@ -386,9 +390,10 @@ def memory_table(a) -> None:
             f"\nselect(score='fisher', budget=1 %): {s['examples']} examples in {s['seconds']:.1f} s, "
             f"one batch of {BATCH} in {s['seconds_one_batch']:.1f} s (compiling included): {per:.2f} s per example"
         )
-        line += f", columns {s['seconds_columns']:.1f} s; peak {s['peak_mb']:,.0f} MB"
+        line += f", columns {s['seconds_columns']:.1f} s; peak {s['peak_mb_elements']:,.0f} MB"
+        line += f" (after the columns' selection too: {s['peak_mb']:,.0f} MB)"
         if full is not None:
-            line += f" ({s['peak_mb'] / full:.2f} x full fine-tuning's peak"
+            line += f" ({s['peak_mb_elements'] / full:.2f} x full fine-tuning's peak, {s['peak_mb'] / full:.2f} with columns"
             line += f"; full's step per example {rows['full']['step_s'] / BATCH:.2f} s)"
         print(line)
 

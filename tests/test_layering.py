@@ -33,7 +33,7 @@ LAYERS = [
     {"_freezer"},
     {"_select"},
     {"_callbacks"},
-    {"_data"},
+    {"_data", "_hub"},
     {"_cli"},
     {"__init__", "__main__", "callbacks", "tf1"},  # the public namespace
 ]

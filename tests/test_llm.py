@@ -96,3 +96,24 @@ def test_an_llm_trains_scattered_elements_and_new_rows_through_stand_ins_and_kee
     assert changed == len(kinds) if policy != "bfloat16" else changed >= len(kinds) - 1, (changed, kinds)
     state = frz.report()["totals"]
     assert state["trainable_elements"] > 0
+
+
+def test_a_stand_in_given_to_a_public_call_is_named_as_the_stand_in_of_its_kernel():
+    """``model.weights`` lists stand-ins (as it lists LoRA's variables): asking for one names its kernel."""
+    lm = gemma()
+    kernel = "decoder_block_0/attention/key/kernel"
+    frz = ff.Freezer(lm, ff.Plan([ff.freeze("**"), ff.train(f"{kernel}[:, :, :4]")]), gradients="sliced")
+    standins = [w.path for w in lm.weights if "_trained/" in w.path]
+    assert standins == [f"{kernel}_trained/values"]
+    for call in (frz.frozen_mask, frz.variable_state):
+        with pytest.raises(ff.PlanError, match=f"'{standins[0]}' is the stand-in of '{kernel}'.*Ask for '{kernel}'"):
+            call(standins[0])
+    standin = next(w for w in lm.weights if w.path == standins[0])
+    for given in (standins[0], standin):  # its path, or the variable itself
+        with pytest.raises(ff.PlanError, match=f"selects nothing.*is the stand-in of '{kernel}'"):
+            ff.Freezer(lm, ff.Plan([ff.freeze("**"), ff.train(given)]))
+        with pytest.raises(ff.PlanError, match=f"is the stand-in of '{kernel}'"):
+            frz.frozen_mask(given)
+    table = lm.get_layer("token_embedding").embeddings
+    assert np.array_equal(frz.frozen_mask(table), frz.frozen_mask(table.path))  # a variable for its path
+    assert frz.variable_state(kernel) == "partial"

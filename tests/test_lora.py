@@ -101,7 +101,7 @@ def test_fit_trains_adapters_and_chosen_base_elements_and_nothing_else():
     x, y = data()
     m = lora_model()
     plan = ff.select(
-        m, (x, y), budget=0.1, loss="mse", include="**/lora_kernel_*", per_variable=True, options={"verbose": 0}
+        m, (x, y), budget=0.1, loss="mse", include="**/lora_kernel_*", spread="variable", options={"verbose": 0}
     )
     frz = ff.Freezer(m, plan)
     chosen = {s.path for s in frz._res.states if s.state == "partial"}

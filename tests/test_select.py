@@ -190,7 +190,7 @@ def test_budget_is_exact_for_counts_and_fractions(budget):
     n = sum(int(np.prod(v.shape)) for v in weights_of(m))
     want = budget if isinstance(budget, int) else max(1, int(np.floor(budget * n + 0.5)))
     for per_variable in (False, True):
-        c = chosen(m, ff.select(m, budget=budget, score="random", per_variable=per_variable))
+        c = chosen(m, ff.select(m, budget=budget, score="random", spread="variable" if per_variable else "model"))
         assert sum(int(v.sum()) for v in c.values()) == want
 
 
@@ -211,7 +211,7 @@ def test_per_variable_quota_is_proportional_and_top_k_inside_each_variable():
     x, y = data()
     fisher = per_example_fisher(m, x, y)
     c = chosen(
-        m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, per_variable=True, options={"verbose": 0})
+        m, ff.select(m, (x, y), budget=0.25, score="fisher", loss=LOSS, spread="variable", options={"verbose": 0})
     )
     sizes = [int(np.prod(v.shape)) for v in weights_of(m)]
     k = int(np.floor(0.25 * sum(sizes) + 0.5))
@@ -438,3 +438,63 @@ def test_numpy_integers_are_counts_and_microbatch_auto_is_checked():
     for bad in (0, "AUTO", 2.0, [1]):
         with pytest.raises(ff.PlanError, match=r"options\['microbatch'\] must be an int >= 1 or \"auto\""):
             ff.select(m, (x, y), budget=2, loss="mse", options={"microbatch": bad, "verbose": 0})
+
+
+def gemma_lm():
+    from causal_lms import task
+
+    return task("gemma", preprocessor=False)
+
+
+def counts_by(chosen_masks, key):
+    out = {}
+    for path, m in chosen_masks.items():
+        out[key(path)] = out.get(key(path), 0) + int(m.sum())
+    return out
+
+
+def test_spread_kind_gives_each_kind_of_projection_its_share_and_excluding_the_table_keeps_it_out():
+    lm = gemma_lm()
+    plan = ff.select(lm, budget=0.1, score="random", exclude="**/token_embedding/**", spread="kind")
+    got = chosen(lm, plan)
+    assert not got.get("token_embedding/embeddings", np.zeros(1)).any()
+    kinds = counts_by(got, lambda p: p.split("/", 1)[1] if p.startswith("decoder_block_") else p)
+    sizes = counts_by({v.path: np.ones(v.shape, bool) for v in weights_of(lm) if "token_embedding" not in v.path},
+                      lambda p: p.split("/", 1)[1] if p.startswith("decoder_block_") else p)  # fmt: skip
+    k = int(np.floor(0.1 * sum(sizes.values()) + 0.5))
+    assert sum(kinds.values()) == k
+    for kind, n in sizes.items():  # a quota per kind in proportion to its size (largest remainders)
+        assert abs(kinds.get(kind, 0) - 0.1 * n) < 1, (kind, kinds.get(kind), n)
+
+
+def test_spread_block_gives_each_block_its_share():
+    lm = gemma_lm()
+    got = chosen(lm, ff.select(lm, budget=0.2, score="magnitude", exclude="**/token_embedding/**", spread="block"))
+    per_block = counts_by(got, lambda p: p.split("/")[0])
+    n = {b: sum(int(np.prod(v.shape)) for v in weights_of(lm) if v.path.startswith(b + "/")) for b in per_block}
+    for b in ("decoder_block_0", "decoder_block_1"):
+        assert abs(per_block[b] - 0.2 * n[b]) < 1
+
+
+def test_spread_as_shares_of_the_budget_per_selector():
+    lm = gemma_lm()
+    plan = ff.select(lm, budget=100, score="random", spread={"**/attention/**": 3, "**/ffw_*/**": 1})
+    got = chosen(lm, plan)
+    attention = sum(int(m.sum()) for p, m in got.items() if "/attention/" in p)
+    ffw = sum(int(m.sum()) for p, m in got.items() if "/ffw_" in p)
+    assert (attention, ffw) == (75, 25) and sum(int(m.sum()) for m in got.values()) == 100
+
+
+@pytest.mark.parametrize(
+    "spread, match",
+    [
+        ("layers", "spread='layers'; choose one of 'model', 'variable', 'kind', 'block'"),
+        ({"**/nothing/**": 1}, r"spread's selector '\*\*/nothing/\*\*' selects no variable of the model"),
+        ({"**/attention/**": 1, "**/attention/query/**": 1}, "picks no candidate"),
+        ({"**/attention/**": 0}, "a share is a number > 0"),
+        ({"**/attention/query/**": 1, "**/ffw_*/**": 1000}, "but it has .* candidates"),
+    ],
+)
+def test_a_bad_spread_is_a_plan_error_before_any_score(spread, match):
+    with pytest.raises(ff.PlanError, match=match):
+        ff.select(gemma_lm(), budget=0.5, score="random", spread=spread)

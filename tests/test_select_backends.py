@@ -188,7 +188,13 @@ def test_budgets_are_exact(budget, per_variable):
     n = m.count_params()
     want = budget if isinstance(budget, int) else int(np.floor(budget * n + 0.5))
     plan = ff.select(
-        m, (x, y), budget=budget, score="fisher", loss="mse", per_variable=per_variable, options={"verbose": 0}
+        m,
+        (x, y),
+        budget=budget,
+        score="fisher",
+        loss="mse",
+        spread="variable" if per_variable else "model",
+        options={"verbose": 0},
     )
     got = chosen(m, plan)
     assert sum(int(c.sum()) for c in got) == want

@@ -30,7 +30,7 @@ def count(masks):
 def test_the_signature_is_the_parameters_a_user_sets():
     params = inspect.signature(ff.select).parameters
     assert list(params) == [
-        "model", "data", "budget", "score", "include", "exclude", "loss", "structure", "per_variable",
+        "model", "data", "budget", "score", "include", "exclude", "loss", "structure", "spread",
         "batch_size", "batches", "options",
     ]  # fmt: skip
     assert [p.name for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY][0] == "budget"

@@ -136,7 +136,7 @@ CASES = [
     (
         "An unknown key in a plan file",
         'ff.Plan.from_dict({"rules": [{"freeze": "**", "mask_": 1}]}, source="plan.yaml")',
-        "Rule keys are `freeze` or `train`, and optionally `mask`, `indices`, `lr_scale`.",
+        "Rule keys are `freeze` or `train`, and optionally `mask`, `indices`, `rows`, `columns`, `heads`, `lr_scale`.",
     ),
     (
         "A target that is not a model",

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what static tools see; at run time names are imported on fi
     from finefreeze._files.merge import merge_deltas as merge_deltas
     from finefreeze._files.switch import DeltaSwitch as DeltaSwitch
     from finefreeze._freezer.freezer import Freezer as Freezer
+    from finefreeze._hub.tokens import add_tokens as add_tokens
     from finefreeze._optimizer.wrapper import FreezingOptimizer as FreezingOptimizer
     from finefreeze._plan.plan import Plan as Plan
     from finefreeze._plan.rules import Rule as Rule

@@ -39,6 +39,7 @@ PUBLIC = {
     "Plan": "finefreeze._plan.plan",
     "PlanError": "finefreeze._errors",
     "Rule": "finefreeze._plan.rules",
+    "add_tokens": "finefreeze._hub.tokens",
     "blocks": "finefreeze._resolve.blocks",
     "callbacks": "",
     "freeze": "finefreeze._plan.rules",

@@ -11,9 +11,10 @@ import hashlib
 import json
 import os
 
+from finefreeze._cli.causal import CORPUS_SUFFIXES, load_corpus
 from finefreeze._cli.inputs import check_model_file, data_kind, plan_from_keras_file
 from finefreeze._cli.parser import EXPORTED, REBUILT
-from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_preset
+from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_causal_preset, is_preset
 from finefreeze._files.atomic import Staging, UserError
 
 __all__ = ["OUTPUTS", "RESUME", "check_finetune", "check_resume", "done_epochs", "file_digest"]
@@ -54,7 +55,8 @@ def check_finetune(
 ) -> dict:
     """Raise :class:`UserError` for any input ``finetune`` would refuse; return the run's settings.
 
-    ``plan_written``: ``--select`` writes the plan later (it need not exist yet).
+    ``plan_written``: ``--select`` writes the plan later (it need not exist yet). A causal LM's preset
+    needs no plan: :func:`~finefreeze._cli.causal.default_plan` is its default.
     """
     if epochs < 1 or batch_size < 1 or not lr > 0 or sequence_length < 2:
         raise UserError(
@@ -63,14 +65,23 @@ def check_finetune(
         )
     if model_path is not None:
         check_model_file(model_path, preset=True)
-        if plan is None and not plan_written and plan_from_keras_file(model_path) is None:
+        if data is not None and data.endswith(".txt") and not is_causal_preset(model_path):
+            raise UserError(
+                f"--data {data!r}: a .txt corpus trains a KerasHub causal LM, and {model_path!r} holds none; "
+                f"give {data_kind(model_path)}"
+            )
+        needs_plan = not plan_written and not is_causal_preset(model_path)
+        if plan is None and needs_plan and plan_from_keras_file(model_path) is None:
             raise UserError(f"--plan PLAN (or --select SCORE) is required with a model ({model_path!r} holds no plan)")
         if data is None:
             raise UserError(f"--data is required with a model ({data_kind(model_path)})")
     if data is not None and not os.path.exists(data):
         raise UserError(f"data file {data!r} does not exist")
-    if data is not None and is_preset(model_path) != data.endswith(TEXT_SUFFIXES):
+    suffixes = CORPUS_SUFFIXES if is_causal_preset(model_path) else TEXT_SUFFIXES
+    if data is not None and is_preset(model_path) != data.endswith(suffixes):
         raise UserError(f"--data {data!r}: give {data_kind(model_path)}")
+    if data is not None and is_causal_preset(model_path):
+        load_corpus(data)  # a corpus that cannot train is refused before a framework loads
     if plan is not None and not plan_written and not os.path.exists(plan):
         raise UserError(f"plan file {plan!r} does not exist")
     Staging.check(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json")

@@ -1,4 +1,4 @@
-"""The ``finefreeze`` command line: ``finetune``, ``inspect``, ``verify``, ``delta``.
+"""The ``finefreeze`` command line: ``finetune``, ``inspect``, ``verify``, ``delta``, ``generate``.
 
 Exit codes: 0 ok, 1 verification failed, 2 bad input or environment (one
 line on stderr, no traceback; OS errors included), 130 interrupted by Ctrl-C and
@@ -93,6 +93,7 @@ def cmd_finetune(args) -> int:
             selected=args.select is not None,
             resume=args.resume,
             sequence_length=args.sequence_length,
+            prompt=args.prompt,
         )
     print(result.line())
     return 0 if result.verified else 1
@@ -160,6 +161,16 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from finefreeze._cli.generate import check_generate, generate
+
+    check_generate(args.model, delta=args.delta, max_length=args.max_length)  # before a framework loads
+    text = generate(args.model, args.prompt, delta=args.delta, max_length=args.max_length)
+    print(text)
+    finished()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command (:mod:`finefreeze._cli.parser`), bound to the handlers here."""
     return parser.build_parser(
@@ -169,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
             "verify": cmd_verify,
             "delta export": cmd_delta_export,
             "delta apply": cmd_delta_apply,
+            "generate": cmd_generate,
         }
     )
 

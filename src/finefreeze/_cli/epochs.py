@@ -20,8 +20,9 @@ from finefreeze._keras.layers import all_layers, seed_generators
 __all__ = ["shuffled", "plain", "seed_states"]
 
 
-def shuffled(x, y, batch_size: int, epoch: int):
-    """The training batches, shuffled by a permutation drawn from the epoch number alone.
+def shuffled(x, y, batch_size: int, epoch: int, sample_weight=None):
+    """The training batches (with ``sample_weight``'s rows, when given), shuffled by a permutation drawn
+    from the epoch number alone.
 
     Keras' own shuffling draws each epoch's order from a random state that
     the epochs before it advanced; a run resumed at epoch 3 would see
@@ -43,6 +44,8 @@ def shuffled(x, y, batch_size: int, epoch: int):
 
         def __getitem__(self, i):
             rows = self.order[i * batch_size : (i + 1) * batch_size]
+            if sample_weight is not None:
+                return keras.tree.map_structure(lambda a: a[rows], x), y[rows], sample_weight[rows]
             return keras.tree.map_structure(lambda a: a[rows], x), y[rows]
 
         def on_epoch_end(self):
@@ -53,7 +56,7 @@ def shuffled(x, y, batch_size: int, epoch: int):
 
 
 def plain(model, name: str):
-    """``model.fit``/``evaluate``; Keras' own for a preset's classifier, whose texts are token ids already.
+    """``model.fit``/``evaluate``; Keras' own for a preset's task, whose texts are token ids already.
 
     KerasHub's versions turn every input into a ``tf.data`` pipeline for its
     preprocessor, which the detached preprocessor does not need and the

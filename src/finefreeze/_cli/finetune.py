@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 
 from finefreeze._backends.randomness import set_seed
+from finefreeze._cli.causal import default_plan, generate_text, is_causal_lm, lm_loss, perplexity
 from finefreeze._cli.checks import OUTPUTS, RESUME, check_finetune, done_epochs, file_digest
 from finefreeze._cli.epochs import plain, seed_states, shuffled
 from finefreeze._cli.inputs import data_kind, load_plan, training_inputs
+from finefreeze._cli.presets import is_causal_preset
 from finefreeze._files.atomic import Staging, Terminated, UserError, check_interrupt, interrupted
 from finefreeze._files.delta import save_delta
 from finefreeze._keras.instances import tag
@@ -79,6 +81,7 @@ class Result:
     history: dict
     metric: dict
     base: str = ""  # the base to verify against and rebuild from
+    sample: dict | None = None  # a causal LM's greedy text from one prompt, before and after
 
     def line(self) -> str:
         ok = "verify OK (every frozen element bit-identical)" if self.verified else "verify FAILED"
@@ -145,6 +148,7 @@ def finetune(
     selected: bool = False,
     resume: bool = False,
     sequence_length: int = 128,
+    prompt: str | None = None,
 ) -> Result:
     """Fine-tune under a plan; write the model, delta, report, TensorBoard log and picture.
 
@@ -160,7 +164,11 @@ def finetune(
     checkpoint folder KerasHub converts): ``data`` is then a CSV or JSONL
     file of ``text,label`` rows, and the model a text classifier from the
     preset with one output per label, its texts cut to ``sequence_length``
-    tokens.
+    tokens. A preset of a KerasHub causal LM fine-tunes on a corpus
+    (:mod:`finefreeze._cli.causal`) under ``plan`` or, without one, its
+    default plan; the metric is the validation perplexity, and the report
+    holds greedy text from ``prompt`` (default: the first words of the first
+    validation example) before and after.
     """
     from finefreeze._report.events import require_tensorboard
 
@@ -169,7 +177,8 @@ def finetune(
         strategy=strategy, out=out, force=force, resume=resume, sequence_length=sequence_length,
     )  # fmt: skip
     require_tensorboard("finefreeze finetune")
-    the_plan = load_plan(plan, model_file=model_path)
+    causal = plan is None and is_causal_preset(model_path)  # its default plan is made from the loaded model
+    the_plan = None if causal else load_plan(plan, model_file=model_path)
     with Staging(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json") as stage:
         for name in stage.removed:
             print(
@@ -189,7 +198,7 @@ def finetune(
             result = _run(
                 stage,
                 point,
-                (model_path, data, sequence_length),
+                (model_path, data, sequence_length, prompt),
                 the_plan,
                 optimizer,
                 lr,
@@ -245,27 +254,45 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     """Build, train, verify and write one run into ``stage``; its :class:`Result`."""
     import finefreeze as ff
 
-    model_path, data, sequence_length = inputs
+    model_path, data, sequence_length, prompt = inputs
     opt = _optimizer(optimizer, lr)
     set_seed(0)  # a preset's new head: the same command makes the same model
-    model, (x, y), val = training_inputs(model_path, data, sequence_length=sequence_length)
+    model, train, val = training_inputs(model_path, data, sequence_length=sequence_length)
+    causal = is_causal_lm(model)
+    if the_plan is None:  # a causal LM's preset without --plan
+        the_plan = default_plan(model)
     set_seed(0)  # dropout and friends: the same command trains the same model
     frz = ff.Freezer(model, the_plan, strategy=strategy)
     files = {}
     if model_path is None:
         model.save(stage.path("base.keras"))
         files["base"] = os.path.join(stage.out, "base.keras")
-    loss, metrics = loss_for(model, y)
+    loss, metrics = (lm_loss(), []) if causal else loss_for(model, train[1])
     model.compile(optimizer=frz.wrap(opt), loss=loss, metrics=metrics)
     print_fn(frz.summary(variables=False))  # after wrap: its state column names the optimizer
-    name = metrics[0] if metrics else "loss"
-    before = _metric(model, val, batch_size, name)
+    name = "perplexity" if causal else metrics[0] if metrics else "loss"
+
+    def measure() -> float:
+        return perplexity(model, val, batch_size) if causal else _metric(model, val, batch_size, name)
+
+    before = measure()
+    sample = None
+    if causal:  # greedy text from one prompt, before and after: what the numbers mean
+        text = prompt if prompt is not None else tag(model, "_finefreeze_prompt")
+        sample = {"prompt": text, "max_length": sequence_length, "before": generate_text(model, text, sequence_length)}
     first_epoch = done_epochs(point)
-    hist = _train(stage, point, model, frz, (x, y), val, epochs, batch_size, first_epoch, verbose)
+    hist = _train(stage, point, model, frz, train, val, epochs, batch_size, first_epoch, verbose)
     files["tensorboard"] = os.path.join(stage.out, "tensorboard")
-    metric = {"name": f"val_{name}", "before": before, "after": _metric(model, val, batch_size, name)}
+    metric = {"name": f"val_{name}", "before": before, "after": measure()}
+    if sample is not None:
+        sample["after"] = generate_text(model, sample["prompt"], sequence_length)
+        print_fn(
+            f"finefreeze finetune: greedy text from {text!r}: {sample['before']!r} before, {sample['after']!r} after"
+        )
     history = {k: [float(v) for v in vs] for k, vs in hist.history.items()}
     settings = {"optimizer": optimizer, "lr": lr, "epochs": epochs, "batch_size": batch_size}
+    if sample is not None:
+        settings["sample"] = sample
     return _write(stage, model, frz, model_path, files, metric, history, settings, first_epoch, print_fn)
 
 
@@ -278,7 +305,7 @@ def _train(stage, point, model, frz, train, val, epochs, batch_size, first_epoch
     board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
     try:
         return plain(model, "fit")(
-            shuffled(*train, batch_size, first_epoch),
+            shuffled(train[0], train[1], batch_size, first_epoch, sample_weight=train[2] if len(train) > 2 else None),
             validation_data=val,
             epochs=epochs,
             shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
@@ -306,7 +333,7 @@ def _write(stage, model, frz, model_path, files, metric, history, settings, firs
         verified, violations = False, [list(v) for v in e.violations]
     check_interrupt()
     pre = tag(model, "_finefreeze_preprocessor", None)
-    if pre is not None:  # a preset's text classifier: saved with its preprocessor
+    if pre is not None:  # a preset's task: saved with its preprocessor
         model.preprocessor = pre
     model.save(stage.path("tuned.keras"))
     files["model"] = os.path.join(out, "tuned.keras")
@@ -333,6 +360,7 @@ def _write(stage, model, frz, model_path, files, metric, history, settings, firs
         history=history,
         metric=metric,
         base=base["path"],
+        sample=settings.get("sample"),
     )
     rep["finetune"] = {
         "verified": verified,

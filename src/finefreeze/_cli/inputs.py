@@ -15,7 +15,8 @@ import zlib
 
 import numpy as np
 
-from finefreeze._cli.presets import base_from_preset, check_preset, is_preset, load_preset, text_task
+from finefreeze._cli.causal import causal_task
+from finefreeze._cli.presets import base_from_preset, check_preset, is_causal_preset, is_preset, load_preset, text_task
 from finefreeze._files.atomic import UserError
 from finefreeze._keras.layers import all_layers, inbound_tensors
 
@@ -232,6 +233,11 @@ def load_data(path: str | None, model) -> tuple[tuple, tuple]:
 
 def data_kind(model_path: str | None) -> str:
     """What ``--data`` a model takes, for messages."""
+    if is_causal_preset(model_path):
+        return (
+            "a corpus: a .txt file (one example per line) or a .jsonl file (objects with 'text', or 'prompt' and "
+            "'response'), for a causal LM's preset folder"
+        )
     if is_preset(model_path):
         return "text data: a .csv with columns text,label, or a .jsonl, for a KerasHub preset folder"
     return "DATA.npz with arrays x and y, for a .keras model"
@@ -239,7 +245,10 @@ def data_kind(model_path: str | None) -> str:
 
 def training_inputs(model_path: str | None, data: str | None, *, sequence_length: int = 128):
     """``(model, (x, y), (x_val, y_val))`` for a run: a ``.keras`` file (or the bundled model) and its
-    ``.npz`` data, or a preset's text classifier and its tokenised text data."""
+    ``.npz`` data, or a preset's text classifier and its tokenised text data; a preset's causal LM and its
+    tokenised corpus with the targets' weights, ``(x, y, w)``."""
+    if is_causal_preset(model_path):
+        return causal_task(model_path, data, sequence_length=sequence_length)
     if is_preset(model_path):
         model, train, val, _ = text_task(model_path, data, sequence_length=sequence_length)
         return model, train, val

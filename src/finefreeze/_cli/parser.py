@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
-__all__ = ["EXPORTED", "REBUILT", "build_parser"]
+__all__ = ["EXPORTED", "REBUILT", "MAX_LENGTH", "build_parser"]
 
 _PRESET_HELP = (
     "a .keras model, or a KerasHub preset folder (save_to_preset, or a Hugging Face checkpoint folder "
@@ -17,7 +17,18 @@ _PRESET_HELP = (
 )
 #: what ``delta export`` and ``delta apply`` write in the run folder when ``-o`` is not given
 EXPORTED, REBUILT = "exported-delta.safetensors", "rebuilt.keras"
+#: tokens ``generate`` writes at most, the prompt's included, unless ``--max-length`` says otherwise
+MAX_LENGTH = 64
 _PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
+
+
+class _Once(argparse.Action):
+    """An option given at most once (argparse would keep the last of several silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} is given twice; give it once")
+        setattr(namespace, self.dest, values)
 
 
 def _command(sub, name: str, fn, help: str, description: str) -> argparse.ArgumentParser:
@@ -35,6 +46,7 @@ def build_parser(handlers: Mapping[str, Callable]) -> argparse.ArgumentParser:
     _inspect(sub, handlers["inspect"])
     _verify(sub, handlers["verify"])
     _delta(sub, handlers["delta export"], handlers["delta apply"])
+    _generate(sub, handlers["generate"])
     return p
 
 
@@ -46,7 +58,9 @@ def _finetune(sub, fn: Callable) -> None:
         "fine-tune a model under a plan (bundled example by default)",
         "Fine-tune MODEL under PLAN, verify that every frozen element is bit-identical, and write "
         "tuned.keras, delta.safetensors, report.json, a TensorBoard log and frozen.png to the run folder (-o/--out). "
-        "MODEL may be a KerasHub preset folder with text data (--data texts.csv). "
+        "MODEL may be a KerasHub preset folder with text data (--data texts.csv): a text classifier, or, when the "
+        "preset holds a causal LM, fine-tuned on a corpus (--data corpus.txt) under a default plan that trains 1% "
+        "of the columns of every attention and feed-forward kernel and the norms. "
         "With no MODEL: a bundled pretrained text model extended with new tokens, its data, and a "
         "plan that trains only the new embedding rows and the head.",
     )
@@ -54,9 +68,12 @@ def _finetune(sub, fn: Callable) -> None:
     ft.add_argument(
         "--data",
         help="required with MODEL: .npz with x, y (optional x_val, y_val) for a .keras model; "
-        ".csv (columns text,label) or .jsonl for a preset, whose model is then a text classifier",
+        ".csv (columns text,label) or .jsonl for a preset, whose model is then a text classifier; "
+        "for a causal LM's preset a corpus: .txt (one example per line) or .jsonl (text, or prompt and response)",
     )
-    ft.add_argument("--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan"))
+    ft.add_argument(
+        "--plan", help=_PLAN_HELP.format("MODEL, or the bundled plan") + " (a causal LM's preset: its default plan)"
+    )
     ft.add_argument("--optimizer", default="adamw", help="a Keras optimizer name (default: adamw)")
     ft.add_argument("--lr", type=float, default=5e-3, help="learning rate (default: 5e-3)")
     ft.add_argument("--epochs", type=int, default=4, help="epochs (default: 4)")
@@ -81,6 +98,11 @@ def _finetune(sub, fn: Callable) -> None:
         "--select",
         choices=["fisher", "gradient", "magnitude", "delta", "random"],
         help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
+    )
+    ft.add_argument(
+        "--prompt",
+        help="a causal LM's preset: the prompt of the greedy text report.json shows before and after "
+        "(default: the first words of the first validation example)",
     )
     ft.add_argument(
         "--budget",
@@ -143,3 +165,23 @@ def _delta(sub, export: Callable, apply: Callable) -> None:
     ap.add_argument("delta", nargs="+", help="one or more .safetensors deltas of BASE")
     ap.add_argument("-o", "--out", help=f"the .keras file to write (default: {REBUILT} beside the first DELTA)")
     ap.add_argument("--force", action="store_true", help="replace an existing output file")
+
+
+def _generate(sub, fn: Callable) -> None:
+    gen = _command(
+        sub,
+        "generate",
+        fn,
+        "print greedy text from a causal LM (a delta applied first)",
+        "Load the causal LM of MODEL, apply DELTA when given, and print the greedy continuation of PROMPT "
+        "(the prompt included): the same command prints the same text.",
+    )
+    gen.add_argument("model", help="a KerasHub CausalLM preset folder (save_to_preset) or a tuned causal LM's .keras")
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument(
+        "--delta",
+        action=_Once,
+        help="a .safetensors delta of MODEL (finetune's delta.safetensors) to apply first; merge several with "
+        "finefreeze delta apply",
+    )
+    gen.add_argument("--max-length", type=int, default=64, help="tokens at most, the prompt's included (default: 64)")

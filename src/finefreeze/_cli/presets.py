@@ -24,6 +24,7 @@ from finefreeze._keras.instances import set_tag, tag
 
 __all__ = [
     "is_preset",
+    "is_causal_preset",
     "check_preset",
     "load_preset",
     "load_text_data",
@@ -42,6 +43,18 @@ TEXT_SUFFIXES = (".csv", ".jsonl")
 def is_preset(path: str | None) -> bool:
     """Whether ``path`` is a folder with a ``config.json``: a KerasHub preset or a Hugging Face checkpoint."""
     return path is not None and os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+def is_causal_preset(path: str | None) -> bool:
+    """Whether ``path`` is a preset folder whose ``task.json`` names a KerasHub causal LM (cheap: no Keras)."""
+    if not is_preset(path):
+        return False
+    try:
+        with open(os.path.join(path, "task.json")) as f:
+            name = json.load(f)["registered_name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return isinstance(name, str) and name.endswith("CausalLM")
 
 
 def _config(path: str) -> dict:
@@ -217,9 +230,14 @@ def classifier_from_preset(path: str, *, num_classes: int, sequence_length: int)
 
 def base_from_preset(path: str, task: dict | None):
     """The model a fine-tune of preset ``path`` started from: the task ``task`` records (seeded as ``finetune``
-    seeds it), or what the preset holds when nothing is recorded."""
+    seeds it), or what the preset holds when nothing is recorded (a causal LM: with the sequence length it
+    was tuned with)."""
     if not task or task.get("task") != "TextClassifier":
-        return load_preset(path)
+        model = load_preset(path)
+        pre = getattr(model, "preprocessor", None)
+        if task and task.get("task") == "CausalLM" and task.get("sequence_length") and pre is not None:
+            pre.sequence_length = int(task["sequence_length"])
+        return model
     set_seed(0)
     return classifier_from_preset(
         path, num_classes=int(task["num_classes"]), sequence_length=int(task.get("sequence_length", 128))
@@ -227,15 +245,18 @@ def base_from_preset(path: str, task: dict | None):
 
 
 def task_of(model) -> dict | None:
-    """What :func:`base_from_preset` needs to build ``model``'s base again (a preset's text classifier), or None."""
+    """What :func:`base_from_preset` needs to build ``model``'s base again (a preset's text classifier or causal
+    LM), or None."""
     try:
         import keras_hub
     except ImportError:
         return None
-    if not isinstance(model, keras_hub.models.TextClassifier):
-        return None
     pre = getattr(model, "preprocessor", None)
     length = getattr(pre, "sequence_length", None)
+    if isinstance(model, keras_hub.models.CausalLM):
+        return {"task": "CausalLM", "sequence_length": int(length) if length else None}
+    if not isinstance(model, keras_hub.models.TextClassifier):
+        return None
     return {"task": "TextClassifier", "num_classes": int(model.num_classes), "sequence_length": int(length or 128)}
 
 

@@ -7,6 +7,7 @@ import sys
 import warnings
 
 from finefreeze._backends.randomness import set_seed
+from finefreeze._cli.causal import is_causal_lm, lm_loss, select_data
 from finefreeze._cli.finetune import UserError, loss_for
 from finefreeze._cli.inputs import data_kind, training_inputs
 from finefreeze._cli.presets import new_head
@@ -53,13 +54,21 @@ def select_to_file(
     b = _budget(budget)
 
     set_seed(0)  # a preset's new head as finetune makes it: the same command, the same plan
-    model, (x, y), _ = training_inputs(model_path, data_path, sequence_length=sequence_length)
-    loss, _ = loss_for(model, y)
+    model, train, _ = training_inputs(model_path, data_path, sequence_length=sequence_length)
+    spread = {}
+    if is_causal_lm(model):  # the next-token loss on the tokens training counts (not padding, not prompts)
+        (x, y), loss = select_data(train), lm_loss(ignore=True)
+        # docs/llm.md's recipe: the token table left out, the budget spread over every kind of projection
+        spread = dict(exclude="**/token_embedding/**", spread="kind")
+    else:
+        (x, y), (loss, _) = train, loss_for(model, train[1])
     head = new_head(model)  # a preset's new head always trains: it starts random, and a delta must carry it
     try:
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", FreezeWarning)
-            plan = select(model, (x, y), budget=b, score=score, loss=loss, include=head or None, options={"verbose": 0})
+            plan = select(
+                model, (x, y), budget=b, score=score, loss=loss, include=head or None, options={"verbose": 0}, **spread
+            )
     except PlanError as e:
         raise UserError(f"--select {score} --budget {budget}: {e}") from None
     for w in said:  # a count that looks like a percent, say: one line, as the command's own errors

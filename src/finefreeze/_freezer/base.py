@@ -28,6 +28,7 @@ from finefreeze._report.groups import format_groups, wants_detail
 from finefreeze._report.plot import plot
 from finefreeze._report.report import KERAS_WORDS, build_report, format_summary
 from finefreeze._resolve.resolve import Resolution, VarState, closest
+from finefreeze._resolve.standins import standin_note
 from finefreeze._slices.choose import slice_eligible, standin_of
 
 __all__ = ["FreezerBase", "as_plan", "refuse_graph"]
@@ -147,28 +148,52 @@ class FreezerBase(abc.ABC):
                     out.append(standin)
         return out
 
-    def _state(self, path: str) -> VarState:
+    def _state(self, path) -> VarState:
+        if not isinstance(path, str):  # a variable given for its path
+            st = self._res.lookup(path)
+            if st is not None:
+                return st
+            name = getattr(path, "path", None)
+            if not isinstance(name, str):
+                raise PlanError(f"a variable's path (a str) or the variable itself is asked for; got {path!r}.")
+            path = name
         st = self._res.by_path(path)
         if st is None:
             paths = [p for s in self._res.states for p in s.info.names]
+            note = standin_note(path, [s.variable for s in self._res.states])
+            if note:
+                raise PlanError(f"no variable of this Freezer's plan has path {path!r}{note}.")
             raise PlanError(
                 f"no variable with path {path!r} in this {self._target_word}; "
                 f"closest: {', '.join(closest(path, paths))}."
             )
         return st
 
-    def frozen_mask(self, path: str) -> np.ndarray:
+    def frozen_mask(self, path: str | Any) -> np.ndarray:
         """Bool array of the variable's shape, True where an element is frozen.
 
         Variables Keras does not train are all True.
 
+        Args:
+            path: the variable's path (``"dense/kernel"``), or the variable itself.
+
+        Returns:
+            A new bool array.
+
         Raises:
-            PlanError: no variable has that path.
+            PlanError: no variable has that path (a stand-in's path names the kernel it stands for).
         """
         return self._state(path).frozen_mask()
 
-    def variable_state(self, path: str) -> str:
-        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``."""
+    def variable_state(self, path: str | Any) -> str:
+        """``"trainable"``, ``"frozen"``, ``"partial"`` or ``"untrained"``: the state of one variable.
+
+        Args:
+            path: the variable's path, or the variable itself.
+
+        Raises:
+            PlanError: as :meth:`frozen_mask`.
+        """
         return self._state(path).state
 
     def _optimizers(self) -> list:

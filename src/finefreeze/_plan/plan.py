@@ -8,15 +8,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from finefreeze._errors import PlanError
+from finefreeze._plan.packed import decode_mask
 from finefreeze._plan.planfile import read_plan_file, write_plan_file
-from finefreeze._plan.rules import Rule, decode_mask, freeze, train
+from finefreeze._plan.rules import Rule, freeze, train
 
 __all__ = ["Plan", "BATCHNORM"]
 
 #: Values of ``Plan(batchnorm=...)``.
 BATCHNORM = ("keras", "frozen", "train", "stats", "affine")
 
-_RULE_KEYS = {"mask", "indices", "lr_scale"}
+_RULE_KEYS = {"mask", "indices", "lr_scale", "rows", "columns", "heads"}
 
 
 class Plan:
@@ -192,6 +193,7 @@ class Plan:
                     raise PlanError(f"{where}: mask is not a rectangular array: {e}") from None
             if "indices" in r:
                 kwargs["indices"] = r["indices"]
+            kwargs.update({word: r[word] for word in ("rows", "columns", "heads") if word in r})
             if "lr_scale" in r:
                 if action != "train":
                     raise PlanError(f"{where}: lr_scale belongs to train rules only.")

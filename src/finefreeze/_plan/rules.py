@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import math
-import zlib
+import re
 from collections.abc import Callable, Sequence
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
 
 from finefreeze._errors import PlanError
 from finefreeze._plan.index import IndexSpec, parse_index
+from finefreeze._plan.packed import PackedMask, encode_mask
 from finefreeze._plan.selectors import Selector, to_selector
 
 __all__ = ["Rule", "freeze", "train"]
@@ -39,6 +40,8 @@ class Rule:
     indices: tuple[tuple[int, ...], ...] | None = None
     where: Callable | None = None
     lr_scale: float | None = None
+    #: ``(("columns", 0.01),)``: the first fraction of each matched variable's slices along the word's axis
+    slices: tuple[tuple[str, float], ...] = ()
 
     @property
     def freezes(self) -> bool:
@@ -46,7 +49,7 @@ class Rule:
 
     @property
     def picks_elements(self) -> bool:
-        return any(x is not None for x in (self.index, self.mask, self.indices, self.where))
+        return bool(self.slices) or any(x is not None for x in (self.index, self.mask, self.indices, self.where))
 
     def __repr__(self) -> str:
         first = repr(self.selector)
@@ -59,6 +62,7 @@ class Rule:
             args.append(f"indices={[list(t) for t in self.indices]}")
         if self.where is not None:
             args.append(f"where={getattr(self.where, '__name__', 'callable')}")
+        args += [f"{word}={value!r}" for word, value in self.slices]
         if self.lr_scale is not None:
             args.append(f"lr_scale={self.lr_scale}")
         return f"{self.action}({', '.join(args)})"
@@ -94,148 +98,38 @@ class Rule:
                 "file. The resolved masks persist with the optimizer and in delta "
                 "files; for a plan file, use mask= or indices=."
             )
+        d.update(self.slices)
         if self.lr_scale is not None:
             d["lr_scale"] = self.lr_scale
         return d
 
 
-PACKED_MASK_AT = 64  #: masks with more elements are written packed, 1 bit per element
+_FRACTION_RULE = 'a fraction of the slices: a float in (0, 1] or a percent such as "1%"'
+_PERCENT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*")
 
 
-class PackedMask:
-    """A rule's bool mask, held at one bit per element: ``np.asarray(mask)`` gives the bool array.
-
-    A plan lives as long as its ``Freezer``: a mask of random elements over
-    every kernel of a 150 M-parameter model held as bools would cost 150 MB
-    for the whole run; packed it costs 19 MB. Reading it unpacks a fresh,
-    read-only copy (a plan is resolved once per change, not per step).
-
-    Args:
-        mask: the bool array.
-
-    Example:
-        >>> import numpy as np
-        >>> m = PackedMask(np.eye(3, dtype=bool))
-        >>> m.shape, int(np.asarray(m).sum())
-        ((3, 3), 3)
-    """
-
-    __slots__ = ("_bits", "shape")
-    dtype = np.dtype(np.bool_)
-
-    def __init__(self, mask: np.ndarray):
-        self._hold(np.shape(mask), np.packbits(np.asarray(mask, dtype=np.bool_).reshape(-1)))
-
-    def _hold(self, shape, bits: np.ndarray) -> None:
-        self.shape = tuple(int(n) for n in shape)
-        self._bits = np.asarray(bits, dtype=np.uint8)
-        self._bits.setflags(write=False)
-
-    @classmethod
-    def from_bits(cls, bits: np.ndarray, shape) -> PackedMask:
-        """The mask of ``np.packbits`` output ``bits`` (C order) for ``shape``, taken as it is (a plan file's)."""
-        out = cls.__new__(cls)
-        out._hold(shape, bits)
-        return out
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._bits.nbytes)
-
-    @property
-    def bits(self) -> np.ndarray:
-        """The packed bits (``np.packbits`` of the flattened mask, C order)."""
-        return self._bits
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = np.unpackbits(self._bits, count=self.size).view(np.bool_).reshape(self.shape)
-        if dtype is not None and np.dtype(dtype) != np.bool_:
-            out = out.astype(dtype)
-        out.setflags(write=False)
-        return out
-
-    def __getitem__(self, key):
-        return np.asarray(self)[key]
-
-    def sum(self, *args, **kwargs):
-        """The number of True elements (``np.sum`` of the bools; same arguments)."""
-        return np.asarray(self).sum(*args, **kwargs)
-
-    def any(self, *args, **kwargs):
-        return np.asarray(self).any(*args, **kwargs)
-
-    def all(self, *args, **kwargs):
-        return np.asarray(self).all(*args, **kwargs)
-
-    def __len__(self) -> int:
-        if not self.shape:
-            raise TypeError("len() of a 0-d mask")
-        return self.shape[0]
-
-    def __repr__(self) -> str:
-        return f"PackedMask(shape={self.shape})"
-
-
-def encode_mask(mask: PackedMask):
-    """A mask as plan files write it: nested bool lists, or ``{"shape", "packbits"}`` when large.
-
-    Large masks (from ``ff.select``, say) would otherwise cost about 6 bytes
-    of JSON per element; packed they cost 1/6 byte (base64 of ``np.packbits``).
-    A sparse mask is written ``{"shape", "zpackbits"}``, its packed bits
-    compressed with zlib first (a 0.1 % selection of a 23 M element model:
-    2.7 MB packed, about 0.1 MB compressed).
-    """
-    if mask.size <= PACKED_MASK_AT:
-        return np.asarray(mask).tolist()
-    packed = mask.bits.tobytes()
-    small = zlib.compress(packed, 9)
-    if len(small) < len(packed) // 2:
-        return {"shape": list(mask.shape), "zpackbits": base64.b64encode(small).decode("ascii")}
-    return {"shape": list(mask.shape), "packbits": base64.b64encode(packed).decode("ascii")}
-
-
-def decode_mask(value, where: str) -> PackedMask:
-    """The mask of :func:`encode_mask`'s packed form, kept packed.
-
-    Raises:
-        PlanError: a malformed packed mask.
-    """
-    keys = set(value)
-    if keys not in ({"shape", "packbits"}, {"shape", "zpackbits"}):
+def _fraction(action, selector, word, value) -> float:
+    """``value`` of ``rows=`` / ``columns=`` / ``heads=`` as a float in (0, 1]."""
+    said = f"{action}({selector!r}, {word}={value!r})"
+    if isinstance(value, str):
+        m = _PERCENT.fullmatch(value)
+        if m is not None and 0 < Decimal(m.group(1)) <= 100:
+            return float(Decimal(m.group(1)) / 100)
+        raise PlanError(f"{said}: not a percent in (0, 100]; {word}= is {_FRACTION_RULE}.")
+    if isinstance(value, (bool, np.bool_)):
+        raise PlanError(f"{said}: {word}= is {_FRACTION_RULE}, not a bool.")
+    if isinstance(value, (int, np.integer)):
         raise PlanError(
-            f"{where}: a packed mask has exactly 'shape' and 'packbits' (or 'zpackbits'); got keys {sorted(value)}."
+            f"{said}: {word}= is {_FRACTION_RULE}, not a count; for the first {value} {word} of one variable "
+            f"write an index suffix such as '[:{value}]' (rows) or '[..., :{value}]' (columns)."
         )
-    shape = value["shape"]
-    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
-        raise PlanError(f"{where}: packed mask shape must be a list of sizes, got {shape!r}.")
-    key = "packbits" if "packbits" in keys else "zpackbits"
-    try:
-        data = base64.b64decode(value[key], validate=True)
-        if key == "zpackbits":
-            data = zlib.decompress(data)
-        raw = np.frombuffer(data, dtype=np.uint8)
-    except (TypeError, ValueError, zlib.error) as e:
-        raise PlanError(
-            f"{where}: packed mask bits are not base64{' of zlib data' * (key == 'zpackbits')} ({e})."
-        ) from None
-    size = math.prod(shape)
-    if len(raw) != -(-size // 8):
-        raise PlanError(
-            f"{where}: packed mask of shape {tuple(shape)} needs {-(-size // 8)} bytes, got {len(raw)}; "
-            "write the mask again."
-        )
-    return PackedMask.from_bits(raw, shape)
+    if isinstance(value, (float, np.floating)) and 0 < value <= 1:
+        return float(value)
+    hint = f' For {value:g} % write {word}="{value:g}%".' if isinstance(value, float) and 1 < value <= 100 else ""
+    raise PlanError(f"{said}: {word}= is {_FRACTION_RULE}.{hint}")
 
 
-def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
+def _make(action, selector, mask, indices, where, lr_scale, slices=None) -> Rule:
     sel, suffix = to_selector(selector)
     index = None
     if suffix is not None:
@@ -271,7 +165,10 @@ def _make(action, selector, mask, indices, where, lr_scale) -> Rule:
                 f"freeze them: ff.freeze({selector!r})."
             )
         lr_scale = float(lr_scale)
-    return Rule(action, sel, index, mask, indices, where, lr_scale)
+    fractions = tuple(
+        (word, _fraction(action, selector, word, value)) for word, value in (slices or {}).items() if value is not None
+    )
+    return Rule(action, sel, index, mask, indices, where, lr_scale, fractions)
 
 
 def _integer(i) -> int:
@@ -304,6 +201,9 @@ def freeze(
     mask: np.ndarray | None = None,
     indices: Sequence[Sequence[int]] | None = None,
     where: Callable[[np.ndarray], np.ndarray] | None = None,
+    rows: float | str | None = None,
+    columns: float | str | None = None,
+    heads: float | str | None = None,
 ) -> Rule:
     """A rule that freezes what ``selector`` (and the element pickers) select.
 
@@ -316,12 +216,24 @@ def freeze(
         indices: list of index tuples, one per picked element.
         where: callable on the variable's numpy value returning a bool array.
             Evaluated once, when the plan is resolved.
+        rows: pick the first fraction of each selected variable's rows (its
+            first axis): a float in (0, 1] or a percent such as ``"1%"``;
+            rounded half up, at least one row.
+        columns: the same along the last axis (a ``Dense`` kernel's output
+            units, a q/k/v kernel's head features).
+        heads: the same along the heads axis of an attention projection's
+            three-axis ``EinsumDense`` kernel (docs/selectors.md has the axis
+            of each word per layer kind).
+
+    Element pickers combine: an element is picked where every one given picks it.
 
     Returns:
         An immutable :class:`Rule`.
 
     Raises:
-        PlanError: bad glob, regex or index syntax, non-bool mask, bad indices.
+        PlanError: bad glob, regex or index syntax, non-bool mask, bad indices,
+            a fraction outside (0, 1] or not a float or percent; at resolution,
+            ``heads=`` on a variable with no heads axis.
 
     Example:
         >>> import finefreeze as ff
@@ -329,8 +241,10 @@ def freeze(
         freeze('encoder/**')
         >>> ff.freeze("emb/embeddings[:1000]")
         freeze('emb/embeddings[:1000]')
+        >>> ff.freeze("**/kernel", rows="50%")
+        freeze('**/kernel', rows=0.5)
     """
-    return _make("freeze", selector, mask, indices, where, None)
+    return _make("freeze", selector, mask, indices, where, None, dict(rows=rows, columns=columns, heads=heads))
 
 
 def train(
@@ -340,6 +254,9 @@ def train(
     indices: Sequence[Sequence[int]] | None = None,
     where: Callable[[np.ndarray], np.ndarray] | None = None,
     lr_scale: float | None = None,
+    rows: float | str | None = None,
+    columns: float | str | None = None,
+    heads: float | str | None = None,
 ) -> Rule:
     """A rule that makes what ``selector`` selects trainable.
 
@@ -351,6 +268,9 @@ def train(
         mask: see :func:`freeze`.
         indices: see :func:`freeze`.
         where: see :func:`freeze`.
+        rows: see :func:`freeze`.
+        columns: see :func:`freeze`.
+        heads: see :func:`freeze`.
         lr_scale: multiplies the selected elements' whole optimizer step
             (weight decay included); ``None`` means 1.
 
@@ -364,5 +284,7 @@ def train(
         >>> import finefreeze as ff
         >>> ff.train("head/**", lr_scale=0.1)
         train('head/**', lr_scale=0.1)
+        >>> ff.train("**/attention/**/kernel", columns="1%")  # the first 1 % of each kernel's columns
+        train('**/attention/**/kernel', columns=0.01)
     """
-    return _make("train", selector, mask, indices, where, lr_scale)
+    return _make("train", selector, mask, indices, where, lr_scale, dict(rows=rows, columns=columns, heads=heads))

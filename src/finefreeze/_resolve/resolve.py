@@ -20,8 +20,10 @@ from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import Rule
 from finefreeze._plan.selectors import match_all
+from finefreeze._resolve.axes import fraction_mask
 from finefreeze._resolve.masks import ElementMask
 from finefreeze._resolve.scopes import ambiguity_note
+from finefreeze._resolve.standins import standin_note
 from finefreeze._resolve.targets import Target, VarInfo
 
 __all__ = ["VarState", "Resolution", "resolve"]
@@ -135,6 +137,8 @@ def _element_selection(i: int, rule: Rule, vi: VarInfo, cache: dict | None = Non
     if not rule.picks_elements:
         return None
     sel = np.ones(vi.shape, dtype=bool)
+    for word, fraction in rule.slices:
+        sel &= fraction_mask(word, fraction, vi.shape, vi.owner, _where(i, rule, vi))
     if rule.index is not None:
         sel &= rule.index.mask(vi.shape, _where(i, rule, vi))
     if rule.mask is not None:
@@ -303,6 +307,11 @@ def _check_hits(plan, target, hits, untrained_hits):
             why = "it matches variables but zero of their elements"
         else:
             why = "no variable path matches it"
+            pattern = getattr(rule.selector, "pattern", None)
+            if not isinstance(pattern, str):  # a variable given itself: its path
+                pattern = getattr(getattr(rule.selector, "variable", None), "path", None)
+            if isinstance(pattern, str):
+                why += standin_note(pattern, [vi.variable for vi in target.variables])
             regex = getattr(rule.selector, "regex", None)
             if regex is not None and target.ambiguous:
                 why += ambiguity_note(regex, target.ambiguous).rstrip(".").replace(" The scoped", "; the scoped", 1)

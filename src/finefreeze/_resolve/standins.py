@@ -31,7 +31,17 @@ from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.variables import eager_scope, host_initializer
 from finefreeze._keras.layers import add_sublayer, remove_sublayer
 
-__all__ = ["TrainedElements", "attach", "detach", "held", "is_standin", "is_standin_layer", "kernel_of"]
+__all__ = [
+    "TrainedElements",
+    "attach",
+    "detach",
+    "held",
+    "is_standin",
+    "is_standin_layer",
+    "kernel_named",
+    "kernel_of",
+    "standin_note",
+]
 
 #: id of each live stand-in -> (weak reference to it, weak reference to its kernel)
 _KERNELS: dict[int, tuple] = {}
@@ -56,6 +66,31 @@ def kernel_of(variable):
     if entry is None or entry[0]() is not variable:
         return None
     return entry[1]()
+
+
+def kernel_named(path: str, kernels) -> object | None:
+    """The kernel among ``kernels`` that a live stand-in named ``path`` (its values or its index) stands for."""
+    ids = {id(k) for k in kernels}
+    for standin_ref, kernel_ref in list(_KERNELS.values()):
+        standin, kernel = standin_ref(), kernel_ref()
+        if standin is None or kernel is None or id(kernel) not in ids:
+            continue
+        holder = standin.path.rsplit("/", 1)[0]
+        if path in (standin.path, f"{holder}/index"):
+            return kernel
+    return None
+
+
+def standin_note(path: str, kernels) -> str:
+    """`` (...)``: what a stand-in named ``path`` stands for, for an error message; "" if no stand-in has that path."""
+    kernel = kernel_named(path, kernels)
+    if kernel is None:
+        return ""
+    return (
+        f"; {path!r} is the stand-in of {kernel.path!r} (shape {tuple(kernel.shape)}): its trained elements as a "
+        "variable of their own, which a Freezer adds for gradients='sliced' and which plans pass over. "
+        f"Ask for {kernel.path!r}"
+    )
 
 
 def is_standin(variable) -> bool:

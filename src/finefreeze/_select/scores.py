@@ -91,12 +91,18 @@ def batches(data, *, batch_size: int, limit: int | None) -> tuple[Iterator, int 
     return gen2(), total
 
 
-def loss_function(model, loss):
+def loss_function(model, loss, data=None):
     """A callable ``(y_true, y_pred) -> scalar`` from ``loss=`` or the model's compiled loss.
+
+    Strings for a KerasHub causal LM: the next-token cross-entropy over the
+    tokens that are not padding (``y`` is ``-1`` there), whatever the task
+    was compiled with.
 
     Raises:
         PlanError: no usable loss.
     """
+    if loss is None and is_causal(preprocessor(model)) and _texts(data):
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
     if loss is None:
         loss = getattr(model, "loss", None)
         if loss is None:
@@ -158,7 +164,7 @@ def stream_scores(
             grads = cache["grads"]
             grads.reset()
             return _stream(grads, data, score, batch_size, limit, microbatch, verbose, keep=True, prep=prep)
-        loss_fn = loss_function(model, loss)
+        loss_fn = loss_function(model, loss, data)
         if score == "delta":
             return _delta(model, variables, data, loss_fn, batch_size, limit, epochs, optimizer, verbose, prep)
         grads = gradients.make(model, variables, loss_fn, per_example)
@@ -173,8 +179,36 @@ def preprocessor(model):
     return prep if isinstance(prep, keras.layers.Layer) else None
 
 
+def is_causal(prep) -> bool:
+    """Whether ``prep`` is a KerasHub causal LM's preprocessor (strings in, ``(x, next ids, mask)`` out)."""
+    return prep is not None and callable(getattr(prep, "generate_preprocess", None))
+
+
+def _texts(data) -> bool:
+    if isinstance(data, np.ndarray):
+        return data.dtype.kind in "US" or (data.dtype == object and data.size > 0 and isinstance(data.flat[0], str))
+    return isinstance(data, (list, tuple)) and len(data) > 0 and all(isinstance(t, str) for t in data)
+
+
+def _causal_batches(texts, batch_size, limit, prep):
+    """``(x, y)`` batches of a causal LM's strings: its preprocessor's ids, the next ids ``-1`` where padding."""
+    texts = list(texts)
+    total = -(-len(texts) // batch_size)
+    total = total if limit is None else min(total, limit)
+
+    def gen():
+        for i in range(total):
+            x, y, weight = prep(texts[i * batch_size : (i + 1) * batch_size])
+            y = np.where(to_numpy(weight) > 0, to_numpy(y), -1).astype("int32")  # the loss leaves -1 out
+            yield keras.tree.map_structure(to_numpy, x), y
+
+    return gen(), total
+
+
 def _batches(data, batch_size, limit, prep):
     """``(iterator, total)`` of ``(x, y)`` batches, through ``prep`` (a KerasHub preprocessor) when given."""
+    if is_causal(prep) and _texts(data):
+        return _causal_batches(data, batch_size, limit, prep)
     it, total = batches(data, batch_size=batch_size, limit=limit)
     if prep is None:
         return it, total

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -12,7 +14,8 @@ from finefreeze._backends.arrays import to_numpy
 from finefreeze._errors import PlanError
 from finefreeze._plan.plan import Plan
 from finefreeze._plan.rules import freeze, train
-from finefreeze._resolve.resolve import FROZEN, UNTRAINED, resolve
+from finefreeze._resolve.blocks import blocks
+from finefreeze._resolve.resolve import FROZEN, UNTRAINED, closest, resolve
 from finefreeze._resolve.targets import collect
 from finefreeze._select.arguments import check_arguments, check_budget, check_options, count_of
 from finefreeze._select.scores import DATA_SCORES, static_score, stream_scores
@@ -115,7 +118,7 @@ def select(
     exclude: Any = None,
     loss: Any = None,
     structure: str = "elements",
-    per_variable: bool = False,
+    spread: str | Mapping[Any, float] = "model",
     batch_size: int = 32,
     batches: int | None = None,
     options: dict[str, Any] | None = None,
@@ -123,8 +126,7 @@ def select(
     """Choose which elements to train from a score, and return them as a plan.
 
     The candidates are the elements Keras would train, minus ``include`` and
-    ``exclude``. Each candidate gets a score; the ``budget`` highest (over
-    the whole model, or per variable with ``per_variable=True``) are
+    ``exclude``. Each candidate gets a score; the ``budget`` highest are
     trained, plus everything ``include`` selects; the rest is frozen.
     Scores: ``"fisher"`` (sum over examples of the squared per-example
     gradient, FISH masks), ``"gradient"`` (sum over batches of the absolute
@@ -154,9 +156,27 @@ def select(
             ``"rows"``, ``"columns"``, ``"channels"`` or ``"heads"``
             (:mod:`finefreeze._select.structure`); a kernel that trains
             slices gets their weight gradient only (docs/strategies.md).
-        per_variable: give each variable a quota in proportion to its
-            candidates (largest remainders; the quotas add up to the budget)
-            instead of one global top-k.
+        spread: how the budget is split before the best are taken, each
+            group getting a quota (largest remainders; the quotas add up to
+            the budget) and its own top-k:
+
+            - ``"model"``: one group, one top-k over every candidate;
+            - ``"variable"``: each variable a quota in proportion to its candidates;
+            - ``"kind"``: each kind of variable (the same path in every
+              block of ``ff.blocks(model)``: every ``query/kernel``, say; a
+              variable outside the blocks is a kind of its own) a quota in
+              proportion to its candidates;
+            - ``"block"``: each block a quota in proportion to its
+              candidates, each variable outside the blocks one of its own;
+            - a dict ``{selector: share}``: the variables each selector
+              picks (the first that picks a variable has it) get that share
+              of the budget (shares are normalised); candidates no selector
+              picks are not chosen.
+
+            For a decoder LM, ``spread="kind"`` with the token table
+            excluded spreads the budget over every projection of every block
+            (docs/llm.md); ``"model"`` puts most of it where the scores are
+            largest, often the tied table.
         batch_size: batch size when ``data`` is arrays.
         batches: use at most this many batches (per epoch for ``delta``).
         options: the rarely set knobs, a dict of some of:
@@ -213,6 +233,7 @@ def select(
     batch_size, batches = check_arguments(score, data, batch_size, batches, structure)
     cand, allowed = _candidates(model, include, exclude)
     k = count_of(wanted, int(sum(np.count_nonzero(m) for m in allowed)), budget)
+    groups = _groups(spread, model, cand, allowed, k)
     microbatch = opts["microbatch"]
     if microbatch == "auto":
         microbatch = auto_microbatch(sum(vi.size for vi in cand))
@@ -228,9 +249,7 @@ def select(
             raise PlanError(
                 f"select: the {score} score of {vi.path} (shape {vi.shape}) has NaN; check the data and the loss."
             )
-    chosen = _choose(
-        scores, allowed, [slice_axis(structure, vi.shape, vi.owner) for vi in cand], k, structure, per_variable
-    )
+    chosen = _choose(scores, allowed, [slice_axis(structure, vi.shape, vi.owner) for vi in cand], k, structure, groups)
     rules = [freeze("**")]
     if include is not None:
         rules += [train(s) for s in (include if isinstance(include, (list, tuple)) else [include])]
@@ -280,13 +299,88 @@ def _data_scores(model, cand, data, run: dict) -> list[np.ndarray]:
         ) from None
 
 
-def _choose(scores, allowed, axes, k: int, structure: str, per_variable: bool) -> list[np.ndarray]:
-    """The chosen elements of each candidate: the ``k`` best elements or slices, overall or per variable."""
+SPREADS = ("model", "variable", "kind", "block")
 
-    def pick(s, m, a, q):
-        return choose_slices(s, m, a, q) if structure != "elements" else top_k(s, m, q)
 
-    if not per_variable:
-        return pick(scores, allowed, axes, k)
-    quotas = split_budget(k, [int(np.count_nonzero(m)) for m in allowed])
-    return [pick([s], [m], [a], q)[0] if q else np.zeros_like(m) for s, m, a, q in zip(scores, allowed, axes, quotas)]
+def _groups(spread, model, cand, allowed, k: int) -> list[tuple[list[int], int]]:
+    """``spread`` as groups of candidates with their quotas: ``[(candidate indices, quota)]``, quotas adding up to k.
+
+    Raises:
+        PlanError: an unknown spread, a selector of a dict that picks no candidate, a share that is not a
+            number > 0, a quota above its group's candidates.
+    """
+    sizes = [int(np.count_nonzero(m)) for m in allowed]
+    if isinstance(spread, Mapping):
+        return _shared(spread, model, cand, sizes, k)
+    if not isinstance(spread, str) or spread not in SPREADS:
+        raise PlanError(
+            f"select: spread={spread!r}; choose one of {', '.join(map(repr, SPREADS))} or a dict "
+            "{selector: share} (e.g. {'**/attention/**': 1, '**/ffw*/**': 1})."
+        )
+    if spread == "model":
+        return [(list(range(len(cand))), k)]
+    keys = [vi.path for vi in cand]
+    if spread in ("kind", "block"):
+        found = blocks(model) if isinstance(model, keras.layers.Layer) else []
+        for b in found:
+            picked = _selected(b.selector, collect(model), "spread")
+            for i, vi in enumerate(cand):
+                if vi.path in picked:
+                    keys[i] = vi.path.replace(b.name, "{block}", 1) if spread == "kind" else b.name
+    order = list(dict.fromkeys(keys))
+    members = [[i for i, key in enumerate(keys) if key == g] for g in order]
+    quotas = split_budget(k, [sum(sizes[i] for i in m) for m in members])
+    return list(zip(members, quotas))
+
+
+def _shared(spread: Mapping, model, cand, sizes: list[int], k: int) -> list[tuple[list[int], int]]:
+    """The groups of a ``{selector: share}`` spread (see :func:`_groups`)."""
+    target = collect(model)
+    taken: set[int] = set()
+    members, shares = [], []
+    for selector, share in spread.items():
+        if isinstance(share, (bool, np.bool_)) or not isinstance(share, numbers.Real) or not share > 0:
+            raise PlanError(f"select: spread[{selector!r}] = {share!r}; a share is a number > 0.")
+        try:
+            picked = _selected(selector, target, "spread")
+        except PlanError:
+            paths = [vi.path for vi in cand]
+            raise PlanError(
+                f"select: spread's selector {selector!r} selects no variable of the model; candidates are "
+                f"{', '.join(closest(str(selector), paths))}, ... Fix the selector or drop it."
+            ) from None
+        m = [i for i, vi in enumerate(cand) if vi.path in picked and i not in taken]
+        if not m:
+            raise PlanError(
+                f"select: spread's selector {selector!r} picks no candidate (after include=, exclude= and the "
+                "selectors before it); drop it or fix it."
+            )
+        taken.update(m)
+        members.append(m)
+        shares.append(float(share))
+    quotas = split_budget(k, shares)
+    for selector, m, q in zip(spread, members, quotas):
+        n = sum(sizes[i] for i in m)
+        if q > n:
+            raise PlanError(
+                f"select: spread gives {selector!r} {q:,} of the budget's {k:,} elements, but it has {n:,} "
+                "candidates; lower its share or the budget."
+            )
+    return list(zip(members, quotas))
+
+
+def _choose(scores, allowed, axes, k: int, structure: str, groups) -> list[np.ndarray]:
+    """The chosen elements of each candidate: each group's quota of best elements or slices."""
+    chosen: list = [None] * len(allowed)  # masks made as groups are chosen: one bool per element at a time
+    for members, quota in groups:
+        if not quota:
+            continue
+        ss, ms = [scores[i] for i in members], [allowed[i] for i in members]
+        got = (
+            choose_slices(ss, ms, [axes[i] for i in members], quota)
+            if structure != "elements"
+            else top_k(ss, ms, quota)
+        )
+        for i, c in zip(members, got):
+            chosen[i] = c
+    return [np.zeros(m.shape, bool) if c is None else c for c, m in zip(chosen, allowed)]

@@ -13,14 +13,10 @@ slices, which a ``Dense``, ``EinsumDense`` or ``Conv`` kernel trains (with
 slice's own cost (the weight gradient and optimizer state of the slice
 only, docs/guarantees.md).
 
-- ``"rows"``: along the first axis: a ``Dense`` kernel's input rows, an
-  ``Embedding``'s token rows;
-- ``"columns"`` and ``"channels"``: along the last axis: a ``Dense``
-  kernel's output units, a convolution's output channels;
-- ``"heads"``: an ``EinsumDense`` kernel of three axes (an attention
-  projection) along its heads axis (``(model, heads, head_dim)`` kernels:
-  axis 1; ``(heads, head_dim, model)`` output kernels: axis 0); other
-  variables along their last axis.
+The words mean what they mean in a rule's ``rows=`` / ``columns=`` /
+``heads=`` (:mod:`finefreeze._resolve.axes`); ``"channels"`` is
+``"columns"``, and ``"heads"`` of a variable with no heads axis is its
+last axis.
 
 Example:
     >>> import numpy as np
@@ -34,27 +30,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from finefreeze._slices.choose import einsum_axes
+from finefreeze._resolve.axes import slice_axis
 
 __all__ = ["STRUCTURES", "choose_slices", "slice_axis"]
 
 STRUCTURES = ("elements", "rows", "columns", "channels", "heads")
-
-
-def slice_axis(structure: str, shape: tuple, owner=None) -> int | None:
-    """The axis whose slices ``structure`` takes of a variable of ``shape`` (None: single elements)."""
-    if structure == "elements" or len(shape) < 1:
-        return None
-    if len(shape) < 2:
-        return 0  # each element is a slice of its own
-    if structure == "rows":
-        return 0
-    if structure == "heads" and len(shape) == 3 and hasattr(owner, "equation"):
-        axes = einsum_axes(owner.equation, 3)
-        if axes is not None:
-            contracted = [i for i, a in enumerate(axes[0]) if a is not None]
-            return 1 if contracted == [0] else 0
-    return len(shape) - 1
 
 
 def choose_slices(scores: list[np.ndarray], allowed: list[np.ndarray], axes: list[int | None], k: int) -> list:

@@ -49,6 +49,7 @@ import numpy as np
 from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, auto_pays, auto_samples
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable
+from finefreeze._resolve.axes import einsum_axes
 
 __all__ = [
     "AUTO_PAYS",
@@ -58,7 +59,6 @@ __all__ = [
     "SAMPLE_AT_MOST",
     "SLICE_AT_MOST",
     "KernelSlice",
-    "einsum_axes",
     "exact_block",
     "choose",
     "kernel_sample",
@@ -118,28 +118,6 @@ class KernelSlice:
     def key(self) -> tuple:
         """Equal for equal blocks (a changed block means a new product: the step is traced again)."""
         return (self.kind, self.shape) + tuple(None if i is None else i.tobytes() for i in self.index)
-
-
-def einsum_axes(equation: str, rank: int):
-    """Per kernel axis of an ``EinsumDense`` equation: (x axis, y axis), each None unless the letter is only there."""
-    try:
-        ins, y = equation.replace(" ", "").split("->")
-        x, k = ins.split(",")
-    except ValueError:
-        return None
-    if "..." in k or len(k) != rank:
-        return None
-
-    def positions(spec):
-        if "..." not in spec:
-            return {c: i for i, c in enumerate(spec)}
-        pre, post = spec.split("...")
-        return {**{c: i for i, c in enumerate(pre)}, **{c: i - len(post) for i, c in enumerate(post)}}
-
-    px, py = positions(x), positions(y)
-    x_axis = tuple(px[c] if c in px and c not in py else None for c in k)
-    y_axis = tuple(py[c] if c in py and c not in px else None for c in k)
-    return x_axis, y_axis
 
 
 def _geometry(layer, variable):

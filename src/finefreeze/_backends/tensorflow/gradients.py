@@ -38,11 +38,16 @@ class Gradients(Grads):
                     xi, yi = xy
                     return [tf.square(g) for g in grads(one_example(xi), one_example(yi))]
 
-                if loop:
-                    spec = [tf.TensorSpec(w.shape, tf.float32) for w in watched]
-                    squares = tf.map_fn(one, (x, y), fn_output_signature=spec)
-                else:
-                    squares = tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)
+                if loop:  # each example's squares added as its gradients come: no stacked batch, no sum of it
+
+                    def add(xy):
+                        for a, square in zip(accs, one(xy)):
+                            a.assign_add(square)
+                        return tf.constant(0, tf.int32)
+
+                    tf.map_fn(add, (x, y), fn_output_signature=tf.int32)
+                    return
+                squares = tf.vectorized_map(one, (x, y), fallback_to_while_loop=True)
                 sums = [tf.reduce_sum(sq, axis=0) for sq in squares]
                 with tf.control_dependencies(sums):  # no accumulator changes unless every gradient was taken
                     for a, total in zip(accs, sums):
