@@ -263,3 +263,23 @@ def test_often_holds_nothing_on_sliced_which_slices_whatever_it_costs():
     m, frz = train("sliced", epochs=1)
     frz.update(ff.Plan([ff.freeze("**/kernel"), ff.train("**/big/kernel[:, 8:16]")]), often=True)
     assert frz._held_dense == [] and "big" in sliced_layers(m)
+
+
+@pytest.mark.parametrize("what", ["columns", "column list", "elements"])
+def test_auto_takes_the_memory_saving_path_for_a_kernel_whose_gradient_is_memory_that_matters(what):
+    """From MEMORY_AT elements a kernel's slice or scattered elements get their own gradient on every backend."""
+    from finefreeze._backends.costs import MEMORY_AT
+
+    side = 1024
+    assert side * side >= MEMORY_AT
+    i = keras.Input((side,))
+    m = keras.Model(i, keras.layers.Dense(side, name="wide")(i))
+    if what == "columns":  # 1 % of the columns, in one range
+        rule = ff.train("wide/kernel", columns="1%")
+    elif what == "column list":  # 1 % of the columns, every 100th (a gather; lists pay at 0 % on TensorFlow)
+        rule = ff.train("wide/kernel", mask=np.arange(side) % 100 == 0)
+    else:  # 1 % of the elements, scattered (the sampled product pays at 0.1 % on JAX by time alone)
+        rule = ff.train("wide/kernel", mask=np.random.default_rng(0).random((side, side)) < 0.01)
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), rule]))
+    want = "sampled" if what == "elements" else "sliced"
+    assert gradient_of(frz, "wide/kernel") == want

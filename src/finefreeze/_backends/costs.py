@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from finefreeze._backends.questions import keras_backend
 
-__all__ = ["AUTO_PAYS", "AUTO_SAMPLES", "auto_pays", "auto_samples"]
+__all__ = ["AUTO_PAYS", "AUTO_SAMPLES", "MEMORY_AT", "auto_pays", "auto_samples"]
 
 #: ``gradients="auto"``, per backend: the largest fraction of a kernel a block of ranges and a block with
 #: an index list (taken by a gather) get their own weight gradient at, and the fewest elements the kernel
@@ -28,6 +28,14 @@ AUTO_SAMPLES = {
     "jax": 0.001,
     "torch": 0.03,
 }
+
+
+#: ``gradients="auto"``: a partially frozen kernel of at least this many elements gets its slice's or its
+#: elements' own gradient whatever the step time measured above says: its dense gradient (4 MiB of float32 and
+#: up, per kernel and per step) and its optimizer state are memory that matters at the model's size. On the
+#: 152 M Gemma-shaped model of ``benchmarks/llm_memory.py`` that is every projection but key and value
+#: (one key/value head: 131,072 elements); on the small models of ``benchmarks/slices.py``, nothing.
+MEMORY_AT = 1 << 20
 
 
 def auto_pays(backend: str | None = None) -> tuple[float, float, int] | None:

@@ -46,7 +46,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, auto_pays, auto_samples
+from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, MEMORY_AT, auto_pays, auto_samples
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable
 from finefreeze._resolve.axes import einsum_axes
@@ -255,7 +255,9 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
     """Whether ``gradients="auto"`` gives ``s`` its own weight gradient: where ``benchmarks/`` measured it cheaper.
 
     An embedding's rows always (``benchmarks/cost.py``: the dense path makes
-    the table's gradient); a kernel's block by :data:`AUTO_PAYS` of the backend
+    the table's gradient); a kernel of :data:`MEMORY_AT` elements or more
+    always (its dense gradient is memory that matters: docs/benchmarks.md);
+    a smaller kernel's block by :data:`AUTO_PAYS` of the backend
     (``benchmarks/slices.py``); a sampled kernel's elements by :data:`AUTO_SAMPLES`.
 
     Args:
@@ -267,8 +269,11 @@ def pays(s: KernelSlice, backend: str | None = None) -> bool:
     measured = auto_pays(backend)
     if measured is None:  # a backend never measured (numpy takes no gradients): the dense path
         return False
+    size = int(np.prod(s.shape, dtype=np.int64))
+    if size >= MEMORY_AT:  # memory at stake: the slice's or the elements' own gradient, whatever its time
+        return True
     ranges, lists, elements = measured
-    big = int(np.prod(s.shape, dtype=np.int64)) >= elements
+    big = size >= elements
     if s.kind == "sampled":
         return s.fraction <= auto_samples(backend) and big
     contiguous = all(i is None or len(i) == 0 or int(i[-1]) - int(i[0]) + 1 == len(i) for i in s.index)
