@@ -448,6 +448,13 @@ def test_lora_enabled_layers():
     assert layers.lora_enabled_layers(_dense()) == []
 
 
+def test_rematerialized():
+    assert not layers.rematerialized(_dense())
+    with keras.RematScope(mode="full"):
+        d = keras.layers.Dense(2)
+    assert layers.rematerialized(d)
+
+
 def test_kernel_variable():
     d = _dense()
     d.enable_lora(2)

@@ -283,3 +283,21 @@ def test_auto_takes_the_memory_saving_path_for_a_kernel_whose_gradient_is_memory
     frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), rule]))
     want = "sampled" if what == "elements" else "sliced"
     assert gradient_of(frz, "wide/kernel") == want
+
+
+@pytest.mark.backends("jax", "torch", reason="Keras' RematScope on TensorFlow refuses a functional model's call itself")
+def test_a_layer_keras_rematerializes_keeps_the_dense_path_and_trains_exactly():
+    """Under ``keras.RematScope`` a stand-in got no gradient on JAX (nothing trained): such layers are not sliced."""
+    keras.utils.set_random_seed(0)
+    with keras.RematScope(mode="full"):
+        i = keras.Input((64,))
+        m = keras.Model(i, keras.layers.Dense(3, name="head")(keras.layers.Dense(128, name="a")(i)))
+    frz = ff.Freezer(m, ff.Plan([ff.freeze("**"), ff.train("a/kernel", columns="10%")]), gradients="sliced")
+    assert gradient_of(frz, "a/kernel") == "dense"
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    before = numpy(m.get_layer("a").kernel)
+    x = np.random.default_rng(0).random((32, 64)).astype("float32")
+    m.fit(x, x[:, :3], batch_size=8, epochs=2, verbose=0)
+    frz.verify()
+    now, frozen = numpy(m.get_layer("a").kernel), frz.frozen_mask("a/kernel")
+    assert np.array_equal(now[frozen], before[frozen]) and (now[~frozen] != before[~frozen]).all()

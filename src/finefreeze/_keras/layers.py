@@ -21,6 +21,7 @@ __all__ = [
     "is_convolution",
     "kernel_variable",
     "lora_enabled_layers",
+    "rematerialized",
     "module_variables",
     "own_weights",
     "remove_sublayer",
@@ -79,6 +80,11 @@ def seed_generators(layer) -> list:
 def lora_enabled_layers(layer) -> list:
     """The layers KerasHub's ``enable_lora`` switched to LoRA under ``layer`` (``_lora_enabled_layers``), or []."""
     return list(getattr(layer, "_lora_enabled_layers", None) or ())
+
+
+def rematerialized(layer) -> bool:
+    """Whether Keras rematerializes ``layer``'s call: it was made in a ``keras.RematScope`` (``_remat_mode``)."""
+    return getattr(layer, "_remat_mode", None) is not None
 
 
 def kernel_variable(layer):

@@ -26,8 +26,9 @@ them alone (``"table elements"``): the rows' block would be most of the
 table.
 
 Only layers whose ``call`` is Keras' own are sliced (a subclass with a call
-of its own keeps the dense path), without LoRA or quantization, and
-convolutions with ``groups=1``.
+of its own keeps the dense path), without LoRA or quantization, not made
+in a ``keras.RematScope`` (Keras' rematerialized call loses a stand-in's
+gradient: on JAX nothing trained), and convolutions with ``groups=1``.
 
 Example:
     >>> import keras, numpy as np
@@ -48,7 +49,7 @@ import numpy as np
 
 from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, MEMORY_AT, auto_pays, auto_samples
 from finefreeze._keras.instances import instance_value
-from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable
+from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable, rematerialized
 from finefreeze._resolve.axes import einsum_axes
 
 __all__ = [
@@ -123,6 +124,8 @@ class KernelSlice:
 def _geometry(layer, variable):
     """``(kind, x_axis, y_axis)`` of a kernel whose layer can be sliced, else None."""
     if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
+        return None
+    if rematerialized(layer):  # Keras' checkpointed call does not hand a stand-in its gradient (JAX: none at all)
         return None
     call, rank = type(layer).call, len(variable.shape)
     lookups = (keras.layers.Embedding.call, getattr(getattr(keras.layers, "ReversibleEmbedding", None), "call", None))
