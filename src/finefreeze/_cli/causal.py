@@ -13,14 +13,13 @@ prompt.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 
 import numpy as np
 
-from finefreeze._cli.presets import check_preset, digest_folder, load_preset
+from finefreeze._cli.presets import check_preset, digest_folder, json_lines, load_preset
 from finefreeze._files.atomic import UserError
 from finefreeze._keras.instances import set_tag, tag
 from finefreeze._keras.layers import all_layers
@@ -65,23 +64,15 @@ def _examples(path: str) -> list[tuple[str, str | None]]:
         with open(path, encoding="utf-8-sig") as f:
             return [(line.strip(), None) for line in f if line.strip()]
     rows = []
-    with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise UserError(f"corpus {path!r}, line {n}: not a JSON object") from None
-            if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-                rows.append((obj["text"], None))
-            elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
-                rows.append((obj["prompt"] + obj["response"], obj["prompt"]))
-            else:
-                raise UserError(
-                    f"corpus {path!r}, line {n}: give an object with a string 'text', or strings 'prompt' and "
-                    "'response'"
-                )
+    for n, obj in json_lines(path, "corpus"):
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            rows.append((obj["text"], None))
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+            rows.append((obj["prompt"] + obj["response"], obj["prompt"]))
+        else:
+            raise UserError(
+                f"corpus {path!r}, line {n}: give an object with a string 'text', or strings 'prompt' and 'response'"
+            )
     return rows
 
 
