@@ -37,7 +37,6 @@ __all__ = [
     "lm_loss",
     "perplexity",
     "generate_text",
-    "select_data",
 ]
 
 CORPUS_SUFFIXES = (".txt", ".jsonl")
@@ -182,19 +181,11 @@ def default_plan(model) -> Plan:
     return Plan(rules)
 
 
-def lm_loss(ignore: bool = False):
-    """The next-token cross-entropy on logits (``ignore``: targets of -1 do not count, for ``select``)."""
+def lm_loss():
+    """The next-token cross-entropy on logits, as the task trains with it."""
     import keras
 
-    if ignore:
-        return keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def select_data(train: tuple) -> tuple:
-    """``(x, y)`` for ``select`` with :func:`lm_loss` ``(ignore=True)``: a target its weight drops is -1."""
-    x, y, w = train
-    return x, np.where(w > 0, y, -1)
 
 
 def perplexity(model, val: tuple, batch_size: int) -> float:
