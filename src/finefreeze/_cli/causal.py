@@ -13,14 +13,13 @@ prompt.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 
 import numpy as np
 
-from finefreeze._cli.presets import check_preset, digest_folder, load_preset
+from finefreeze._cli.presets import check_preset, digest_folder, json_lines, load_preset
 from finefreeze._files.atomic import UserError
 from finefreeze._keras.instances import set_tag, tag
 from finefreeze._keras.layers import all_layers
@@ -38,7 +37,6 @@ __all__ = [
     "lm_loss",
     "perplexity",
     "generate_text",
-    "select_data",
 ]
 
 CORPUS_SUFFIXES = (".txt", ".jsonl")
@@ -65,23 +63,15 @@ def _examples(path: str) -> list[tuple[str, str | None]]:
         with open(path, encoding="utf-8-sig") as f:
             return [(line.strip(), None) for line in f if line.strip()]
     rows = []
-    with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise UserError(f"corpus {path!r}, line {n}: not a JSON object") from None
-            if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-                rows.append((obj["text"], None))
-            elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
-                rows.append((obj["prompt"] + obj["response"], obj["prompt"]))
-            else:
-                raise UserError(
-                    f"corpus {path!r}, line {n}: give an object with a string 'text', or strings 'prompt' and "
-                    "'response'"
-                )
+    for n, obj in json_lines(path, "corpus"):
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            rows.append((obj["text"], None))
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
+            rows.append((obj["prompt"] + obj["response"], obj["prompt"]))
+        else:
+            raise UserError(
+                f"corpus {path!r}, line {n}: give an object with a string 'text', or strings 'prompt' and 'response'"
+            )
     return rows
 
 
@@ -191,19 +181,11 @@ def default_plan(model) -> Plan:
     return Plan(rules)
 
 
-def lm_loss(ignore: bool = False):
-    """The next-token cross-entropy on logits (``ignore``: targets of -1 do not count, for ``select``)."""
+def lm_loss():
+    """The next-token cross-entropy on logits, as the task trains with it."""
     import keras
 
-    if ignore:
-        return keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def select_data(train: tuple) -> tuple:
-    """``(x, y)`` for ``select`` with :func:`lm_loss` ``(ignore=True)``: a target its weight drops is -1."""
-    x, y, w = train
-    return x, np.where(w > 0, y, -1)
 
 
 def perplexity(model, val: tuple, batch_size: int) -> float:

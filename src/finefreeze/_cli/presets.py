@@ -34,6 +34,7 @@ __all__ = [
     "task_of",
     "new_head",
     "digest_folder",
+    "json_lines",
 ]
 
 HUB_HINT = "pip install 'finefreeze[hub]' (KerasHub)"
@@ -120,18 +121,23 @@ def _rows(path: str) -> list[tuple[object, object]]:
                 )
             return [(r["text"], r["label"]) for r in reader]
     rows = []
+    for n, obj in json_lines(path, "text data"):
+        if not isinstance(obj, dict) or "text" not in obj or "label" not in obj:
+            raise UserError(f"text data {path!r}, line {n}: give an object with 'text' and 'label'")
+        rows.append((obj["text"], obj["label"]))
+    return rows
+
+
+def json_lines(path: str, what: str):
+    """``(line number, object)`` of each non-blank line of a JSON lines file; a line that is no JSON: UserError."""
     with open(path, encoding="utf-8-sig") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                yield n, json.loads(line)
             except ValueError:
-                raise UserError(f"text data {path!r}, line {n}: not a JSON object") from None
-            if not isinstance(obj, dict) or "text" not in obj or "label" not in obj:
-                raise UserError(f"text data {path!r}, line {n}: give an object with 'text' and 'label'")
-            rows.append((obj["text"], obj["label"]))
-    return rows
+                raise UserError(f"{what} {path!r}, line {n}: not a JSON object") from None
 
 
 def load_text_data(path: str) -> tuple[np.ndarray, np.ndarray, list[str]]:

@@ -7,12 +7,12 @@ import sys
 import warnings
 
 from finefreeze._backends.randomness import set_seed
-from finefreeze._cli.causal import is_causal_lm, lm_loss, select_data
+from finefreeze._cli.causal import is_causal_lm
 from finefreeze._cli.finetune import UserError, loss_for
 from finefreeze._cli.inputs import data_kind, training_inputs
 from finefreeze._cli.presets import new_head
 from finefreeze._errors import FreezeWarning, PlanError
-from finefreeze._select.scores import SCORES
+from finefreeze._select.scores import SCORES, next_token_loss, next_token_targets
 from finefreeze._select.select import select
 
 __all__ = ["select_to_file", "SCORES"]
@@ -57,7 +57,7 @@ def select_to_file(
     model, train, _ = training_inputs(model_path, data_path, sequence_length=sequence_length)
     spread = {}
     if is_causal_lm(model):  # the next-token loss on the tokens training counts (not padding, not prompts)
-        (x, y), loss = select_data(train), lm_loss(ignore=True)
+        (x, y), loss = (train[0], next_token_targets(train[1], train[2])), next_token_loss()
         # docs/llm.md's recipe: the token table left out, the budget spread over every kind of projection
         spread = dict(exclude="**/token_embedding/**", spread="kind")
     else:

@@ -21,7 +21,15 @@ from finefreeze._backends.questions import tensorflow_imported
 from finefreeze._errors import PlanError
 from finefreeze._slices.product import full_gradients
 
-__all__ = ["SCORES", "batches", "loss_function", "stream_scores", "static_score"]
+__all__ = [
+    "SCORES",
+    "batches",
+    "loss_function",
+    "next_token_loss",
+    "next_token_targets",
+    "stream_scores",
+    "static_score",
+]
 
 SCORES = ("fisher", "gradient", "magnitude", "delta", "random")
 DATA_SCORES = ("fisher", "gradient", "delta")
@@ -102,7 +110,7 @@ def loss_function(model, loss, data=None):
         PlanError: no usable loss.
     """
     if loss is None and is_causal(preprocessor(model)) and _texts(data):
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+        loss = next_token_loss()
     if loss is None:
         loss = getattr(model, "loss", None)
         if loss is None:
@@ -190,6 +198,17 @@ def _texts(data) -> bool:
     return isinstance(data, (list, tuple)) and len(data) > 0 and all(isinstance(t, str) for t in data)
 
 
+def next_token_targets(y, weight) -> np.ndarray:
+    """A causal LM's next-token targets with -1 where their weight is 0 (padding, prompts): :func:`next_token_loss`
+    leaves them out."""
+    return np.where(to_numpy(weight) > 0, to_numpy(y), -1).astype("int32")
+
+
+def next_token_loss():
+    """The next-token cross-entropy on logits over the targets that are not -1 (:func:`next_token_targets`)."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+
+
 def _causal_batches(texts, batch_size, limit, prep):
     """``(x, y)`` batches of a causal LM's strings: its preprocessor's ids, the next ids ``-1`` where padding."""
     texts = list(texts)
@@ -199,8 +218,7 @@ def _causal_batches(texts, batch_size, limit, prep):
     def gen():
         for i in range(total):
             x, y, weight = prep(texts[i * batch_size : (i + 1) * batch_size])
-            y = np.where(to_numpy(weight) > 0, to_numpy(y), -1).astype("int32")  # the loss leaves -1 out
-            yield keras.tree.map_structure(to_numpy, x), y
+            yield keras.tree.map_structure(to_numpy, x), next_token_targets(y, weight)
 
     return gen(), total
 
