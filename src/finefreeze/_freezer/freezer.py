@@ -18,7 +18,7 @@ from finefreeze._freezer.reload import Resumable
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
 from finefreeze._report.state_size import describe
-from finefreeze._resolve.fingerprint import take
+from finefreeze._resolve.fingerprint import fingerprinted_items, take
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 from finefreeze._slices.calls import set_sliced
@@ -297,7 +297,7 @@ class Freezer(Resumable, FreezerBase):
         return int(to_numpy(opts[0].iterations)) if opts else 0
 
     def _take_fingerprint(self):
-        return take((s.path, s.variable, s.info.shape, s.mask) for s in self._fingerprinted())
+        return take(fingerprinted_items(self._fingerprinted()))
 
     def verify(self, reference: Any = None) -> None:
         """Check that every frozen element is bit-identical to freeze time.

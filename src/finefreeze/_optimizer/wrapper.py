@@ -298,7 +298,13 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         to_standins = {
             id(enf.by_standin[id(v)]): g for g, v in zip(grads, trainable_variables) if id(v) in enf.by_standin
         }
-        for g, v in zip(grads, trainable_variables):
+        pairs = list(zip(grads, trainable_variables))
+        given = {id(v) for v in trainable_variables}
+        for v in trainable_variables:  # a quantized kernel is not Keras' to train: its delta (a stand-in) is
+            e = enf.by_standin.get(id(v))
+            if e is not None and e.delta and id(e.variable) not in given:
+                pairs.append((None, e.variable))
+        for g, v in pairs:
             if id(v) in enf.frozen_ids or id(v) in enf.by_standin:
                 continue
             e = enf.by_id.get(id(v))

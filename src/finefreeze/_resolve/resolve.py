@@ -230,6 +230,13 @@ def resolve(plan: Plan, target: Target) -> Resolution:
             dec[sel] = i + 1
         # no rule: Keras' state, which is frozen for a variable a library switched off (LoRA's base kernel)
         states.append(_state(vi, uniform, dec, _off(freezes) if vi.switched_off else freezes, scales))
+        if vi.quantized is not None and states[-1].state == TRAINABLE:
+            raise PlanError(
+                f"the plan trains every element of {vi.path!r}, a {vi.quantized}-quantized kernel of logical shape "
+                f"{vi.shape}: its float delta would be as large as the float kernel. Train a part of it (rows=, "
+                "columns=, heads=, an index, a mask or select), freeze it (freeze('**/kernel') before broader "
+                "train rules), or train LoRA on it."
+            )
     _check_hits(plan, target, hits, untrained_hits)
     if not any(s.state in (TRAINABLE, PARTIAL) for s in states):
         raise PlanError(
