@@ -64,10 +64,12 @@ __all__ = [
     "Enforcer",
     "Enforcers",
     "decay_compact_like_its_variable",
+    "delta_kernels",
     "elements",
     "make_enforcer",
     "make_enforcers",
     "scale_value",
+    "with_delta_kernels",
 ]
 
 
@@ -304,6 +306,17 @@ def with_delta_kernels(layout, var_list) -> list:
         if kernel is not None and id(kernel) not in ids:
             out.append(kernel)
             ids.add(id(kernel))
+    return out
+
+
+def delta_kernels(enforcers: Enforcers, var_list) -> list:
+    """The quantized kernels whose deltas are in ``var_list`` and which are not (Keras trains the delta only)."""
+    given = {id(v) for v in var_list}
+    out = []
+    for v in var_list:
+        e = enforcers.by_standin.get(id(v))
+        if e is not None and e.delta and id(e.variable) not in given:
+            out.append(e.variable)
     return out
 
 

@@ -231,7 +231,11 @@ class Layout:
                 # a sparse or sliced gradient: compact's step costs the trained part, restore's the whole variable
                 cheap = sparse_gradients(s.info.owner) or slice_eligible(s.info.owner, s.variable) is not None
                 delta = s.info.quantized is not None  # its delta is the only state it has: compact's vector
-                k = Kind.COMPACT if delta else choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, cheap, s.path)
+                k = (
+                    Kind.COMPACT
+                    if delta
+                    else choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, cheap, s.path)
+                )
                 sliced = sliced_gradient(s.info.owner, s.variable) is not None  # held dense: flat indices, no retrace
                 block = exact_block(s.mask.dense()) if sliced and k == Kind.COMPACT and not delta else None
                 standin = standin_of(s.info.owner, s.variable)

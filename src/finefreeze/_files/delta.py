@@ -39,6 +39,8 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     res = frz._res
     for st in res.states:
         p, var, kind, mask = st.path, st.variable, res.kind_of(st), st.mask
+        if st.info.quantized is not None and kind == "partial":
+            raise DeltaError(quantized_refusal(p, st.info.quantized, st.info.shape))
         value = np.ascontiguousarray(np.asarray(var.numpy()))
         info = {"shape": list(value.shape), "dtype": str(value.dtype), "kind": kind}
         if kind in ("trainable", "untrained"):
@@ -56,6 +58,15 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     except PlanError:
         plan = "null"
     return write_file(path, tensors, meta_vars, plan, base=base)
+
+
+def quantized_refusal(path: str, mode: str, shape) -> str:
+    """Why a delta file cannot hold the trained part of a quantized kernel (yet), and what to do."""
+    return (
+        f"{path!r} is a {mode}-quantized kernel (logical shape {tuple(shape)}) whose trained part is a float "
+        "delta beside its integers: delta files hold trained values of float variables only. Keep the tuned "
+        "model as it is, or train the float model (before quantize()) to write a delta."
+    )
 
 
 def write_file(path, tensors, variables, plan: str, *, base=None) -> dict[str, Any]:

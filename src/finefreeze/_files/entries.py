@@ -16,6 +16,7 @@ import hashlib
 from typing import Any
 
 import numpy as np
+from keras.backend import standardize_dtype as standardize
 
 from finefreeze._backends.read import read
 from finefreeze._errors import DeltaError, PlanError
@@ -141,10 +142,18 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
             raise DeltaError(f"{source}: {err}") from None
         if vi is None:
             raise DeltaError(f"{source}: the base has no variable {p!r} (shape {e.shape}).")
-        if tuple(vi.shape) != e.shape or np.dtype(vi.dtype) != e.dtype:
+        shape, dtype = tuple(vi.shape), vi.dtype
+        if vi.quantized is not None:  # what the file holds of it: its stored integers
+            shape, dtype = tuple(int(d) for d in vi.variable.shape), standardize(vi.variable.dtype)
+            if e.values is not None or np.dtype(dtype) != e.dtype:
+                raise DeltaError(
+                    f"{source}: {p!r} is a {vi.quantized}-quantized kernel in the base (logical shape {vi.shape}), "
+                    f"{e.dtype} {e.shape} in the delta: a delta cannot write float values into its integers. "
+                    "Apply the delta to the float model, then quantize() it."
+                )
+        if shape != e.shape or np.dtype(dtype) != e.dtype:
             raise DeltaError(
-                f"{source}: variable {p!r} is {tuple(vi.shape)} {vi.dtype} in the base but "
-                f"{e.shape} {e.dtype} in the delta."
+                f"{source}: variable {p!r} is {shape} {dtype} in the base but {e.shape} {e.dtype} in the delta."
             )
         if e.checks:
             base = read(vi.variable)  # a view of the buffer where the backend allows: no copy of the model

@@ -14,7 +14,6 @@ from finefreeze._backends.read import read
 from finefreeze._backends.variables import backend_variable
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import set_tag, tag
-from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape
 from finefreeze._keras.layers import (
     embeddings_variable,
     kernel_variable,
@@ -23,6 +22,7 @@ from finefreeze._keras.layers import (
     own_weights,
     sublayers,
 )
+from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
 from finefreeze._resolve.standins import is_standin_layer
 

@@ -30,11 +30,11 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.chosen import lookups_are_sparse
+from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value
 from finefreeze._keras.layers import causal_padding, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
-from finefreeze._errors import PlanError
 from finefreeze._slices.choose import MARK, SAMPLED_KINDS, KernelSlice, choose, quantized
 from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
 from finefreeze._slices.quantized import delta_call
@@ -195,7 +195,9 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     holder = attach(layer, variable, trained, index=reads, delta=delta) if on else None
     mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen), q)
     plain = type(layer).call.__get__(layer)
-    if holder is not None and not q:  # the stand-in goes with the Freezer: the model keeps no variable it would not train
+    if (
+        holder is not None and not q
+    ):  # the stand-in goes with the Freezer: the model keeps no variable it would not train
         weakref.finalize(owner, detach, layer, holder)
 
     def now() -> bool:

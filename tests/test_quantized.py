@@ -1,0 +1,175 @@
+"""Plans over Keras-quantized kernels: a float delta of the trained elements beside the integers.
+
+On every backend: the integers, scales and zero points stay bit-identical
+(``verify`` proves it), the forward at a zero delta is Keras' own, the
+delta's update is the gradient of the trained elements alone (SGD, checked
+against the gradient computed by hand), its optimizer state is the trained
+elements' size, rules read the float kernel's (logical) shape, Keras' LoRA
+trains beside it, and what cannot be done is a clear error that changes
+nothing.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import finefreeze as ff
+
+MODES = ["int8", "int4"]
+
+
+def _bytes(model) -> dict:
+    return {v.path: np.array(keras.ops.convert_to_numpy(v), copy=True) for v in model.weights}
+
+
+def _net(mode, activation=None):
+    rng = np.random.default_rng(3)
+    inp = keras.Input((12,))
+    h = keras.layers.Dense(16, name="a")(inp)
+    h = keras.layers.EinsumDense("bd,dnh->bnh", (4, 4), bias_axes="nh", name="e")(h)
+    h = keras.layers.Reshape((16,))(h)
+    out = keras.layers.Dense(3, name="b", activation=activation)(h)
+    m = keras.Model(inp, out)
+    for v in m.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32") * 0.3)
+    m.quantize(mode)
+    return m
+
+
+def _data(n=32, width=12, out=3):
+    rng = np.random.default_rng(5)
+    return rng.normal(size=(n, width)).astype("float32"), rng.normal(size=(n, out)).astype("float32")
+
+
+def _delta(model, layer):
+    return np.asarray(keras.ops.convert_to_numpy(model.get_layer(layer)._finefreeze_sliced.standin))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("plan", ["block", "scattered"])
+def test_a_quantized_kernel_trains_a_float_delta_and_every_stored_byte_stays(mode, plan):
+    m = _net(mode, activation="tanh")
+    x, y = _data()
+    y0 = np.asarray(m.predict(x, verbose=0))
+    mask = np.random.default_rng(0).random((12, 16)) < 0.05
+    mask[0, 0] = True
+    a = ff.train("a/kernel", columns=0.25) if plan == "block" else ff.train("a/kernel", mask=mask)
+    before = _bytes(m)
+    frz = ff.Freezer(m, [ff.freeze("**"), a, ff.train("e/kernel", heads=0.5), ff.train("b/bias")])
+    assert np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)  # a zero delta: Keras' own forward
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    frz.verify()
+    after = _bytes(m)
+    for path, value in before.items():
+        if path.endswith("b/bias"):
+            assert not np.array_equal(after[path], value)
+        else:  # every integer, scale, zero point and frozen float
+            assert np.array_equal(after[path], value), path
+    trained = {"a": int((~frz.frozen_mask("a/kernel")).sum()), "e": int((~frz.frozen_mask("e/kernel")).sum())}
+    assert trained == {"a": 48 if plan == "block" else int(mask.sum()), "e": 128}
+    for layer, n in trained.items():
+        d = _delta(m, layer)
+        assert d.shape == (n,) and np.count_nonzero(d) == n  # every trained element moved, nothing else exists
+    rows = {v["path"]: v for v in frz.report()["variables"]}
+    assert rows["a/kernel"]["quantized"] == mode and rows["a/kernel"]["shape"] == [12, 16]
+    assert rows["a/kernel"]["optimizer_state_elements"] == 2 * trained["a"]  # Adam: two slots x trained
+    assert not np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("plan", ["block", "scattered"])
+def test_the_delta_moves_by_the_gradient_of_the_trained_elements_alone(mode, plan):
+    rng = np.random.default_rng(7)
+    m = keras.Sequential([keras.Input((12,)), keras.layers.Dense(5, name="a")])
+    m.layers[0].kernel.assign(rng.normal(size=(12, 5)).astype("float32"))
+    m.quantize(mode)
+    x, y = _data(n=16, out=5)
+    trained = np.zeros((12, 5), bool)
+    if plan == "block":
+        trained[:, 1:3] = True
+    else:
+        trained[[0, 3, 7, 11], [4, 0, 2, 2]] = True
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("**/a/kernel", mask=trained)])
+    pred = np.asarray(m.predict(x, verbose=0), dtype=np.float64)
+    dy = 2.0 * (pred - y) / y.size  # mean squared error over every output
+    want = -0.1 * (x.astype(np.float64).T @ dy)[trained]  # the trained elements in sorted flat order
+    m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    m.train_on_batch(x, y)
+    # the one bound: float32 sums of 16 products in another order than float64's
+    np.testing.assert_allclose(_delta(m, "a"), want, rtol=2e-5, atol=1e-7)
+    frz.verify()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_plan_reads_the_float_kernels_shape_before_and_after_quantize(mode):
+    plan = [ff.freeze("**"), ff.train("e/kernel", heads=0.25), ff.train("a/kernel[2:5, -3:]")]
+    rng = np.random.default_rng(3)
+    inp = keras.Input((12,))
+    h = keras.layers.EinsumDense("bd,dnh->bnh", (4, 6), name="e")(inp)
+    h = keras.layers.Reshape((24,))(h)
+    float_model = keras.Model(inp, keras.layers.Dense(7, name="a")(h))
+    for v in float_model.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    masks = {p: ff.Freezer(float_model, plan).frozen_mask(p) for p in ("e/kernel", "a/kernel")}
+    float_model.quantize(mode)
+    frz = ff.Freezer(float_model, plan)
+    for p, mask in masks.items():
+        assert np.array_equal(frz.frozen_mask(p), mask)
+    assert frz.frozen_mask("a/kernel").shape == (24, 7)  # int4 packs it (24, 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_keras_lora_trains_beside_the_delta_on_the_same_quantized_layer(mode):
+    m = _net(mode)
+    m.get_layer("a").enable_lora(2)
+    x, y = _data()
+    before = _bytes(m)
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/lora_*"), ff.train("a/kernel", columns=0.125)])
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    frz.verify()
+    after = _bytes(m)
+    moved = sorted(p for p in before if not np.array_equal(before[p], after[p]))
+    assert [p.rsplit("/", 1)[-1] for p in moved] == ["lora_kernel_a", "lora_kernel_b"]
+    assert np.count_nonzero(_delta(m, "a")) == 24  # 2 of 16 columns x 12 rows
+
+
+def test_what_a_quantized_kernel_cannot_do_is_a_clear_error_that_changes_nothing(tmp_path):
+    m = _net("int8")
+    before = _bytes(m)
+    with pytest.raises(ff.PlanError, match=r"int8-quantized kernel .*mask made from its values"):
+        ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel", where=lambda w: w > 0)])
+    with pytest.raises(ff.PlanError, match=r"every element of '.*a/kernel', a int8-quantized kernel .*\(12, 16\)"):
+        ff.Freezer(m, [ff.train("a/kernel")])
+    assert {p: v for p, v in _bytes(m).items()}.keys() == before.keys()
+    assert all(np.array_equal(v, before[p]) for p, v in _bytes(m).items())
+    assert not any(getattr(layer, "_finefreeze_sliced", None) for layer in m.layers)
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel", rows=0.5)])
+    with pytest.raises(ff.DeltaError, match=r"int8-quantized kernel .*float delta"):
+        frz.save_delta(os.fspath(tmp_path / "d.safetensors"))
+    assert not (tmp_path / "d.safetensors").exists()
+
+
+def test_a_float_models_delta_is_refused_by_a_quantized_base(tmp_path):
+    float_model = _net_float()
+    frz = ff.Freezer(float_model, [ff.freeze("**"), ff.train("a/kernel", rows=0.5)])
+    f = os.fspath(tmp_path / "d.safetensors")
+    frz.save_delta(f)
+    base = _net_float()
+    base.quantize("int8")
+    before = _bytes(base)
+    with pytest.raises(ff.DeltaError, match=r"int8-quantized kernel in the base .*Apply the delta to the float model"):
+        ff.load_delta(base, f)
+    assert all(np.array_equal(v, before[p]) for p, v in _bytes(base).items())
+
+
+def _net_float():
+    rng = np.random.default_rng(3)
+    inp = keras.Input((12,))
+    m = keras.Model(inp, keras.layers.Dense(3, name="b")(keras.layers.Dense(16, name="a")(inp)))
+    for v in m.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    return m
