@@ -34,7 +34,8 @@ def _net(mode, activation=None):
     m = keras.Model(inp, out)
     for v in m.weights:
         v.assign(rng.normal(size=v.shape).astype("float32") * 0.3)
-    m.quantize(mode)
+    if mode is not None:
+        m.quantize(mode)
     return m
 
 
@@ -147,29 +148,63 @@ def test_what_a_quantized_kernel_cannot_do_is_a_clear_error_that_changes_nothing
     assert {p: v for p, v in _bytes(m).items()}.keys() == before.keys()
     assert all(np.array_equal(v, before[p]) for p, v in _bytes(m).items())
     assert not any(getattr(layer, "_finefreeze_sliced", None) for layer in m.layers)
-    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel", rows=0.5)])
-    with pytest.raises(ff.DeltaError, match=r"int8-quantized kernel .*float delta"):
-        frz.save_delta(os.fspath(tmp_path / "d.safetensors"))
-    assert not (tmp_path / "d.safetensors").exists()
+    assert all(np.array_equal(v, before[p]) for p, v in _bytes(m).items())
 
 
-def test_a_float_models_delta_is_refused_by_a_quantized_base(tmp_path):
-    float_model = _net_float()
-    frz = ff.Freezer(float_model, [ff.freeze("**"), ff.train("a/kernel", rows=0.5)])
-    f = os.fspath(tmp_path / "d.safetensors")
-    frz.save_delta(f)
-    base = _net_float()
-    base.quantize("int8")
-    before = _bytes(base)
-    with pytest.raises(ff.DeltaError, match=r"int8-quantized kernel in the base .*Apply the delta to the float model"):
-        ff.load_delta(base, f)
-    assert all(np.array_equal(v, before[p]) for p, v in _bytes(base).items())
+def _trained_on_int8(rule, x, y, folder, name):
+    m = _net("int8")
+    frz = ff.Freezer(m, [ff.freeze("**"), rule])
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    m.fit(x, y, epochs=2, batch_size=8, verbose=0)
+    path = os.fspath(folder / f"{name}.safetensors")
+    frz.save_delta(path)
+    return path, np.asarray(m.predict(x, verbose=0))
+
+
+def test_deltas_of_a_quantized_base_load_switch_and_merge_bit_for_bit(tmp_path):
+    x, y = _data()
+    rules = {"left": ff.train("a/kernel[:, :4]"), "right": ff.train("a/kernel", mask=_right_mask())}
+    files, outs = {}, {}
+    for name, rule in rules.items():
+        files[name], outs[name] = _trained_on_int8(rule, x, y, tmp_path, name)
+    base = _net("int8")
+    stored = _bytes(base)
+    y_base = np.asarray(base.predict(x, verbose=0))
+    loaded = _net("int8")
+    assert ff.load_delta(loaded, files["left"]) == {"variables": 1, "elements": 48}  # the delta of a/kernel
+    assert np.array_equal(np.asarray(loaded.predict(x, verbose=0)), outs["left"])
+    switch = ff.DeltaSwitch(base, files)
+    for name in ("left", "right", None, "right", "left", None):
+        switch.use(name)
+        assert np.array_equal(np.asarray(base.predict(x, verbose=0)), y_base if name is None else outs[name])
+        switch.verify()
+    assert all(np.array_equal(v, stored[p]) for p, v in _bytes(base).items() if p in stored)  # integers untouched
+    merged = os.fspath(tmp_path / "both.safetensors")
+    ff.merge_deltas([files["left"], files["right"]], merged)
+    both = _net("int8")
+    ff.load_delta(both, merged)
+    a = both.get_layer("a")
+    delta = np.zeros((12, 16), "float32").reshape(-1)
+    delta[a._finefreeze_sliced.index] = np.asarray(keras.ops.convert_to_numpy(a._finefreeze_sliced.standin))
+    assert np.count_nonzero(delta.reshape(12, 16)[:, :4]) == 48 and np.count_nonzero(delta) == 48 + _right_mask().sum()
+
+
+def _right_mask():
+    mask = np.zeros((12, 16), bool)
+    mask[np.arange(12), 8 + np.arange(12) % 8] = True
+    return mask
+
+
+def test_a_quantized_bases_delta_is_refused_by_the_float_base_and_the_reverse(tmp_path):
+    x, y = _data()
+    path, _ = _trained_on_int8(ff.train("a/kernel", rows=0.25), x, y, tmp_path, "q")
+    float_base = _net_float()
+    before = _bytes(float_base)
+    with pytest.raises(ff.DeltaError, match=r"trained on a int8-quantized .*a/kernel.*model.quantize\('int8'\)"):
+        ff.load_delta(float_base, path)
+    assert all(np.array_equal(v, before[p]) for p, v in _bytes(float_base).items())
 
 
 def _net_float():
-    rng = np.random.default_rng(3)
-    inp = keras.Input((12,))
-    m = keras.Model(inp, keras.layers.Dense(3, name="b")(keras.layers.Dense(16, name="a")(inp)))
-    for v in m.weights:
-        v.assign(rng.normal(size=v.shape).astype("float32"))
+    m = _net(None)
     return m

@@ -22,6 +22,7 @@ from finefreeze._resolve.fingerprint import fingerprinted_items, take
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 from finefreeze._slices.calls import set_sliced
+from finefreeze._slices.held import retrace
 
 __all__ = ["GRADIENTS", "Freezer"]
 
@@ -176,9 +177,7 @@ class Freezer(Resumable, FreezerBase):
         return list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
 
     def _retrace(self) -> None:
-        obj = self._target.obj
-        if isinstance(obj, keras.Model) and getattr(obj, "train_function", None) is not None:
-            obj.make_train_function(force=True)
+        retrace(self._target.obj)
 
     def _optimizers(self) -> list[FreezingOptimizer]:
         """The live ``FreezingOptimizer`` s of this Freezer: those it wrapped, and one compiled into a loaded model.

@@ -37,7 +37,7 @@ from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
 from finefreeze._slices.choose import MARK, SAMPLED_KINDS, KernelSlice, choose, quantized
 from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
-from finefreeze._slices.quantized import delta_call
+from finefreeze._slices.quantized import carry, delta_call, delta_kept
 from finefreeze._slices.sampled import Sampled, TableElements, padded_index
 
 __all__ = ["set_sliced"]
@@ -68,6 +68,7 @@ class _Mark:
     holder: Any = None  # the stand-in's layer (eligible slices): the trained elements' variable
     trained: bytes = b""  # the trained elements (flat indices), to tell a new stand-in from the one in place
     quantized: bool = False  # the kernel is quantized: the stand-in is a delta the call always adds
+    index: Any = None  # a quantized kernel's: the sorted flat indices of the delta's elements (numpy)
 
     @property
     def standin(self):
@@ -135,6 +136,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
                     "(drop the other: del frz; or freeze the kernel in its plan)."
                 )
             want.pop(id(layer), None)
+    carried = {id(layer): delta_kept(layer, want.get(id(layer))) for layer in layers}  # refuses before any change
     changed = False
     for layer in layers:
         mark = instance_value(layer, MARK, None)
@@ -147,6 +149,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
             changed = True
         if new is not None:
             _give_call(layer, *new[1:], owner=owner, model_of=target.obj)
+            carry(layer, carried.get(id(layer)))
             changed = True
     return changed
 
@@ -194,6 +197,7 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     delta = layer.variable_dtype if q else None  # a quantized kernel's: a float delta, zero at first
     holder = attach(layer, variable, trained, index=reads, delta=delta) if on else None
     mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen), q)
+    mark.index = trained if q else None
     plain = type(layer).call.__get__(layer)
     if (
         holder is not None and not q

@@ -34,14 +34,18 @@ Example:
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 from keras import ops
 
 from finefreeze._backends.chosen import chosen
+from finefreeze._errors import PlanError
+from finefreeze._keras.instances import instance_value
 from finefreeze._keras.quantized import quantized_product
+from finefreeze._slices.choose import MARK
 from finefreeze._slices.product import Taken
 
-__all__ = ["block_delta", "delta_call", "scattered_delta"]
+__all__ = ["block_delta", "carry", "delta_call", "delta_kept", "scattered_delta"]
 
 
 def _place(t, axis: int, idx: np.ndarray, place, n: int):
@@ -143,3 +147,37 @@ def delta_call(layer, ks, taken, product, standin, index, bias_and_activation):
         return bias_and_activation(layer, ops.add(y, ops.cast(delta, y.dtype)))
 
     return call
+
+
+def delta_kept(layer, new):
+    """A quantized kernel's delta in place, ``(its elements, its values)``, for the call that replaces it.
+
+    Raises:
+        PlanError: the new plan freezes elements whose delta is not zero (their trained value would be lost).
+    """
+    mark = instance_value(layer, MARK, None)
+    if mark is None or not mark.quantized or mark.holder is None:
+        return None
+    values = np.asarray(keras.ops.convert_to_numpy(mark.standin))
+    kept = np.zeros(0, np.int64) if new is None else np.flatnonzero(~np.asarray(new[5], dtype=bool))
+    lost = np.setdiff1d(mark.index[values != 0], kept)
+    if lost.size:
+        raise PlanError(
+            f"the plan freezes {lost.size} element(s) of {mark.variable.path!r}, a quantized kernel whose float "
+            f"delta holds trained values there (first flat index {int(lost[0])}): freezing them would drop what "
+            "they learned. Keep them trained, or save the model's delta first (save_delta) and start from the base."
+        )
+    return mark.index, values
+
+
+def carry(layer, kept) -> None:
+    """Write a replaced delta's values into the new one, at the elements both hold."""
+    mark = instance_value(layer, MARK, None)
+    if kept is None or mark is None or not mark.quantized or mark.holder is None:
+        return
+    old_index, values = kept
+    common, mine, theirs = np.intersect1d(mark.index, old_index, assume_unique=True, return_indices=True)
+    if common.size:
+        new = np.asarray(keras.ops.convert_to_numpy(mark.standin)).copy()
+        new[mine] = values[theirs]
+        mark.standin.assign(new)
