@@ -54,11 +54,21 @@ def test_a_quantized_kernel_trains_a_float_delta_and_every_stored_byte_stays(mod
     m = _net(mode, activation="tanh")
     x, y = _data()
     y0 = np.asarray(m.predict(x, verbose=0))
-    mask = np.random.default_rng(0).random((12, 16)) < 0.05
-    mask[0, 0] = True
-    a = ff.train("a/kernel", columns=0.25) if plan == "block" else ff.train("a/kernel", mask=mask)
+    mask = np.zeros((12, 16), bool)  # in every row and column: no block smaller than the kernel holds them
+    mask[np.arange(12), np.arange(12)] = True
+    mask[np.arange(4), 12 + np.arange(4)] = True
+    e_mask = np.zeros((16, 4, 4), bool)
+    e_mask[np.arange(16), np.arange(16) % 4, np.arange(16) // 4] = True
+    if plan == "block":
+        rules = [ff.train("a/kernel", columns=0.25), ff.train("e/kernel", heads=0.5)]
+    else:
+        rules = [ff.train("a/kernel", mask=mask), ff.train("e/kernel", mask=e_mask)]
     before = _bytes(m)
-    frz = ff.Freezer(m, [ff.freeze("**"), a, ff.train("e/kernel", heads=0.5), ff.train("b/bias")])
+    frz = ff.Freezer(m, [ff.freeze("**"), *rules, ff.train("b/bias")])
+    gradients = {v["path"]: v["gradient"] for v in frz.report()["variables"] if v["path"].endswith("/kernel")}
+    assert gradients == {p: "sliced" if plan == "block" else "sampled" for p in ("a/kernel", "e/kernel")} | {
+        "b/kernel": None
+    }
     assert np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)  # a zero delta: Keras' own forward
     m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
     m.fit(x, y, epochs=2, batch_size=8, verbose=0)
@@ -70,7 +80,7 @@ def test_a_quantized_kernel_trains_a_float_delta_and_every_stored_byte_stays(mod
         else:  # every integer, scale, zero point and frozen float
             assert np.array_equal(after[path], value), path
     trained = {"a": int((~frz.frozen_mask("a/kernel")).sum()), "e": int((~frz.frozen_mask("e/kernel")).sum())}
-    assert trained == {"a": 48 if plan == "block" else int(mask.sum()), "e": 128}
+    assert trained == ({"a": 48, "e": 128} if plan == "block" else {"a": 16, "e": 16})
     for layer, n in trained.items():
         d = _delta(m, layer)
         assert d.shape == (n,) and np.count_nonzero(d) == n  # every trained element moved, nothing else exists
@@ -91,9 +101,10 @@ def test_the_delta_moves_by_the_gradient_of_the_trained_elements_alone(mode, pla
     trained = np.zeros((12, 5), bool)
     if plan == "block":
         trained[:, 1:3] = True
-    else:
-        trained[[0, 3, 7, 11], [4, 0, 2, 2]] = True
+    else:  # in every row and column: the elements alone
+        trained[np.arange(12), np.arange(12) % 5] = True
     frz = ff.Freezer(m, [ff.freeze("**"), ff.train("**/a/kernel", mask=trained)])
+    assert frz.report()["variables"][1]["gradient"] == ("sliced" if plan == "block" else "sampled")
     pred = np.asarray(m.predict(x, verbose=0), dtype=np.float64)
     dy = 2.0 * (pred - y) / y.size  # mean squared error over every output
     want = -0.1 * (x.astype(np.float64).T @ dy)[trained]  # the trained elements in sorted flat order
@@ -208,3 +219,51 @@ def test_a_quantized_bases_delta_is_refused_by_the_float_base_and_the_reverse(tm
 def _net_float():
     m = _net(None)
     return m
+
+
+@pytest.mark.parametrize(
+    "equation, x_shape, k_shape",
+    [
+        ("...i,ij->...j", (6, 5), (5, 7)),
+        ("btd,dnh->btnh", (2, 3, 5), (5, 2, 3)),
+        ("btnh,nhd->btd", (2, 3, 2, 3), (2, 3, 4)),
+    ],
+)
+def test_the_product_read_at_scattered_elements_is_the_dense_products_with_its_gradients(equation, x_shape, k_shape):
+    from finefreeze._slices.quantized import scattered_delta
+    from finefreeze._slices.sampled import Sampled, padded_index
+
+    rng = np.random.default_rng(11)
+    size = int(np.prod(k_shape))
+    trained = np.sort(rng.choice(size, size // 3, replace=False)).astype(np.int64)
+    ins, y_spec = equation.split("->")
+    x_spec, k_spec = ins.split(",")
+    sampled = Sampled(x_spec, k_spec, y_spec, k_shape, len(trained), reads=padded_index(trained))
+    x0 = rng.normal(size=x_shape).astype("float32")
+    v0 = rng.normal(size=len(trained)).astype("float32")
+    kernel = np.zeros(size, np.float64)
+    kernel[trained] = v0
+    kernel = kernel.reshape(k_shape)
+    want_y = np.einsum(equation.replace("...", "n"), x0.astype(np.float64), kernel)
+    r = rng.normal(size=want_y.shape).astype("float32")
+
+    from finefreeze._backends.chosen import chosen
+
+    x, v = keras.ops.convert_to_tensor(x0), keras.ops.convert_to_tensor(v0)
+    f = keras.ops.convert_to_tensor(padded_index(trained).astype(np.int32))
+    got_y = np.asarray(keras.ops.convert_to_numpy(scattered_delta(None, x, v, f, sampled, k_shape)))
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-6)
+    dy = keras.ops.convert_to_tensor(r)  # the backend's own differentiation, through the product's custom gradient
+    dv = keras.ops.convert_to_numpy(
+        chosen().vjp(lambda a, b: scattered_delta(None, a, b, f, sampled, k_shape), x, v, dy)
+    )
+    dx = keras.ops.convert_to_numpy(
+        chosen().vjp(lambda b, a: scattered_delta(None, a, b, f, sampled, k_shape), v, x, dy)
+    )
+    spec = equation.replace("...", "n")
+    xs, rest = spec.split(",")
+    ks, ys = rest.split("->")
+    want_dx = np.einsum(f"{ys},{ks}->{xs}", r.astype(np.float64), kernel)
+    want_dk = np.einsum(f"{xs},{ys}->{ks}", x0.astype(np.float64), r.astype(np.float64)).reshape(-1)[trained]
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dv, want_dk, rtol=1e-5, atol=1e-5)

@@ -20,9 +20,10 @@ kernel's logical (float) shape, computed for what trains only:
   block, placed along the output's axes: the product and its gradients are
   the block's size;
 - scattered elements (:class:`~finefreeze._slices.sampled.Sampled`): the
-  delta laid into the kernel's shape for the product and, again, for the
-  input's gradient (a temporary of one kernel in float, kept by no step),
-  and its gradient the sampled product at those elements only.
+  product read at the elements alone (``x``'s column of each, times its
+  delta, summed into ``y``'s column), the input's gradient likewise from
+  ``dy``, and the delta's gradient the sampled product: no value of the
+  kernel's shape exists in the step.
 
 Example:
     >>> import keras, numpy as np
@@ -38,7 +39,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from finefreeze._backends.chosen import chosen
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.quantized import quantized_product
@@ -87,11 +87,47 @@ def block_delta(op, x, values, taken: Taken):
     return y
 
 
+def _columns_of(sampled, t, spec: str, kernel_letters: list[str], width: int):
+    """``t`` as ``(N, width)`` (as the sampled product lays it out), and the function that lays it back."""
+    if "..." in spec:
+        pre, post = spec.split("...")
+        free = [f"_{i}" for i in range(len(t.shape) - len(pre) - len(post))]
+        letters = list(pre) + free + list(post)
+    else:
+        letters = list(spec)
+    batch = sorted((c for c in letters if c not in sampled.k_spec), key=sampled._batch_order)
+    perm = [letters.index(c) for c in batch + kernel_letters]
+    moved = [t.shape[i] for i in perm]
+    inverse = list(np.argsort(perm))
+
+    def back(t2):
+        t2 = ops.reshape(t2, [-1 if d is None else d for d in moved])
+        return t2 if perm == list(range(len(perm))) else ops.transpose(t2, inverse)
+
+    flat = t if perm == list(range(len(perm))) else ops.transpose(t, perm)
+    return ops.reshape(flat, (-1, width)), back
+
+
+def _spread(t, values, take_at, add_at, width: int):
+    """``out[n, add_at[e]] += t[n, take_at[e]] * values[e]`` for every element ``e``: ``(N, width)``.
+
+    The product of ``t`` with a kernel that is zero but at the elements, read
+    at them alone: ``N`` products per element, no kernel-shaped value.
+    """
+    taken = ops.transpose(ops.take(t, take_at, axis=1) * ops.cast(values, t.dtype))  # (elements, N)
+    return ops.transpose(ops.segment_sum(taken, add_at, num_segments=width))
+
+
 def scattered_delta(op, x, values, flat, sampled, shape):
-    """``op(x, delta)`` for a delta of scattered elements: their gradient by the sampled product.
+    """``op(x, delta)`` for a delta of scattered elements, read at those elements alone.
+
+    ``y[n, b] += x[n, a] * delta[e]`` for each element ``e`` = ``(a, b)``
+    (the columns of ``x`` and ``y`` it joins, as the sampled product lays
+    them out); the input's gradient likewise from ``dy``, and the delta's
+    the sampled product's. Nothing of the kernel's shape is made.
 
     Args:
-        op: the layer's product.
+        op: the layer's product (unused: the product is read at the elements).
         x: the layer's input.
         values: the delta of the trained elements (flat, sorted flat order).
         flat: their flat indices as the sampled product reads them (padded past ``len(values)``).
@@ -99,29 +135,53 @@ def scattered_delta(op, x, values, flat, sampled, shape):
         shape: the kernel's logical shape.
 
     Returns:
-        The delta's contribution to ``y``. No kernel-shaped value is kept for the backward: the delta is laid
-        into the kernel's shape again there, for the input's gradient.
+        The delta's contribution to ``y``.
     """
-    count, size = int(values.shape[0]), int(np.prod(shape, dtype=np.int64))
-    dtype = values.dtype
-
-    def dense(v, f):
-        where = ops.expand_dims(f[:count], 1)
-        return ops.cast(ops.reshape(ops.scatter(where, v, (size,)), shape), x.dtype)
+    count, dtype = int(values.shape[0]), values.dtype
 
     @ops.custom_gradient
     def product(x, v, f):
+        a, b = sampled.columns(f[:count])
+        x2, _ = _columns_of(sampled, x, sampled.x_spec, sampled.xk, sampled.width_x)
+        y2 = _spread(x2, v, a, b, sampled.width_y)
+        y = _laid_out(sampled, x, y2)
+
         def grad(*args, upstream=None):
             if upstream is None:
                 (upstream,) = args
-            kernel = dense(v, f)
-            dx = chosen().vjp(lambda k, a: op(a, k), kernel, x, upstream)
+            dy2, _ = _columns_of(sampled, upstream, sampled.y_spec, sampled.yk, sampled.width_y)
+            _, back = _columns_of(sampled, x, sampled.x_spec, sampled.xk, sampled.width_x)
+            dx = back(_spread(dy2, v, b, a, sampled.width_x))
             dv = sampled.weight_gradient(x, upstream, f)
-            return dx, ops.cast(dv, dtype), None
+            return ops.cast(dx, x.dtype), ops.cast(dv, dtype), None
 
-        return op(x, dense(v, f)), grad
+        return y, grad
 
     return product(x, values, flat)
+
+
+def _laid_out(sampled, x, y2):
+    """``y2`` (``(N, B)``) as the layer's output: ``x``'s batch axes, then the output's own, in ``y_spec``'s order."""
+    x_spec, y_spec = sampled.x_spec, sampled.y_spec
+    if "..." in x_spec:
+        pre, post = x_spec.split("...")
+        lead = list(x.shape[len(pre) : len(x.shape) - len(post)])
+        named = {c: x.shape[i] for i, c in enumerate(pre)}
+        named.update({c: x.shape[len(x.shape) - len(post) + i] for i, c in enumerate(post)})
+    else:
+        lead, named = [], {c: x.shape[i] for i, c in enumerate(x_spec)}
+    named.update(sampled.dims)
+    if "..." in y_spec:
+        ypre, ypost = y_spec.split("...")
+        letters = list(ypre) + [f"_{i}" for i in range(len(lead))] + list(ypost)
+        named.update({f"_{i}": d for i, d in enumerate(lead)})
+    else:
+        letters = list(y_spec)
+    batch = sorted((c for c in letters if c not in sampled.k_spec), key=sampled._batch_order)
+    perm = [letters.index(c) for c in batch + sampled.yk]
+    moved = [named[letters[i]] for i in perm]
+    y = ops.reshape(y2, [-1 if d is None else d for d in moved])
+    return y if perm == list(range(len(perm))) else ops.transpose(y, list(np.argsort(perm)))
 
 
 def delta_call(layer, ks, taken, product, standin, index, bias_and_activation):
