@@ -219,7 +219,7 @@ def child(a) -> dict:
         return out
     plan = plan_for(a.variant, model, a.size, a.workdir)  # on the float kernels: the same plan after quantize()
     if a.quantize != "none":  # Keras' quantized base (QLoRA: quantize, then LoRA on top)
-        if a.variant == "full" or a.variant in ("rows", "scattered-table"):
+        if a.variant in ("full", "scattered-table"):
             raise SystemExit(f"{a.variant!r} trains what a quantized base holds as integers: not a variant here")
         backbone.quantize(a.quantize)
     enable_lora(backbone, a.variant)

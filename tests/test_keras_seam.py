@@ -650,7 +650,11 @@ def test_is_quantized():
     assert quantized.is_quantized(_quantized_dense("int8")) == "int8"
     conv = keras.layers.Conv2D(2, 3)
     conv.build((None, 5, 5, 1))
-    assert quantized.is_quantized(conv) is None  # only Dense and EinsumDense
+    assert quantized.is_quantized(conv) is None  # only Dense, EinsumDense and Embedding
+    table = keras.layers.Embedding(10, 4)
+    table.build((None,))
+    table.quantize("int4")
+    assert quantized.is_quantized(table) == "int4"
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -661,6 +665,10 @@ def test_logical_shape(mode):
     e.build((None, 5))
     e.quantize(mode)
     assert quantized.logical_shape(e) == (5, 3, 4)
+    table = keras.layers.Embedding(10, 6)
+    table.build((None,))
+    table.quantize(mode)
+    assert quantized.logical_shape(table) == (10, 6)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -679,3 +687,15 @@ def test_quantized_product(mode):
     bare = quantized.quantized_product(d, x)
     # Keras' own quantized call is the product, then the bias, then the activation: bit for bit
     assert np.array_equal(_numpy(keras.ops.tanh(keras.ops.add(bare, d.bias))), _numpy(d(x)))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_lookup(mode):
+    table = keras.layers.ReversibleEmbedding(10, 6)
+    table.build((None,))
+    table.embeddings.assign(np.random.default_rng(2).normal(size=(10, 6)).astype("float32"))
+    table.quantize(mode)
+    ids = keras.ops.convert_to_tensor(np.array([[1, 9, 3]], "int32"))
+    assert np.array_equal(_numpy(quantized.quantized_lookup(table, ids)), _numpy(table(ids)))  # Keras' own lookup
+    h = keras.ops.convert_to_tensor(np.random.default_rng(3).normal(size=(2, 6)).astype("float32"))
+    assert np.array_equal(_numpy(quantized.quantized_product(table, h, reverse=True)), _numpy(table(h, reverse=True)))

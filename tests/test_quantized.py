@@ -267,3 +267,59 @@ def test_the_product_read_at_scattered_elements_is_the_dense_products_with_its_g
     want_dk = np.einsum(f"{xs},{ys}->{ks}", x0.astype(np.float64), r.astype(np.float64)).reshape(-1)[trained]
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dv, want_dk, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_new_rows_of_a_quantized_table_train_as_a_delta_by_the_lookups_gradient(mode):
+    rng = np.random.default_rng(4)
+    ids = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(20, 4, name="tok")(ids)
+    out = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    m = keras.Model(ids, out)
+    for v in m.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    m.get_layer("tok").quantize(mode)
+    x = rng.integers(0, 20, (16, 5)).astype("int32")
+    x[:, 0] = 19  # every example looks up a trained row
+    y = rng.normal(size=(16, 3)).astype("float32")
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("tok/embeddings[-3:]")])
+    pred = np.asarray(m.predict(x, verbose=0), dtype=np.float64)
+    w = np.asarray(keras.ops.convert_to_numpy(m.get_layer("head").kernel), dtype=np.float64)
+    per_token = (2.0 * (pred - y) / y.size) @ w.T / x.shape[1]  # d loss / d each looked-up row
+    want = np.zeros((20, 4))
+    np.add.at(want, x.reshape(-1), np.repeat(per_token, x.shape[1], axis=0))
+    m.compile(optimizer=frz.wrap(keras.optimizers.SGD(0.1)), loss="mse")
+    m.train_on_batch(x, y)
+    np.testing.assert_allclose(_delta(m, "tok"), -0.1 * want[-3:].reshape(-1), rtol=2e-5, atol=1e-7)
+    frz.verify()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tied_quantized_tables_new_rows_add_their_delta_to_the_lookup_and_to_the_logits(mode):
+    rng = np.random.default_rng(6)
+    ids = keras.Input((6,), dtype="int32")
+    table = keras.layers.ReversibleEmbedding(20, 8, name="tok")
+    m = keras.Model(ids, table(keras.layers.Dense(8, name="d")(table(ids)), reverse=True))
+    for v in m.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    m.quantize(mode)
+    stored = _bytes(m)
+    x = rng.integers(0, 20, (32, 6)).astype("int32")
+    y = rng.integers(0, 20, (32, 6)).astype("int32")
+    y0 = np.asarray(m.predict(x, verbose=0))
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("tok/embeddings[-3:]")])
+    assert np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=loss)
+    m.fit(x, y, epochs=2, verbose=0)
+    frz.verify()
+    assert all(np.array_equal(v, stored[p]) for p, v in _bytes(m).items() if p in stored)
+    delta = _delta(m, "tok").reshape(3, 8)
+    assert np.count_nonzero(delta) == 24
+    ids_now = keras.ops.convert_to_tensor(np.array([[17, 18, 19, 0]], "int32"))
+    looked = np.asarray(keras.ops.convert_to_numpy(table(ids_now)))
+    from finefreeze._keras.quantized import quantized_lookup
+
+    keras_own = np.asarray(keras.ops.convert_to_numpy(quantized_lookup(table, ids_now)))
+    np.testing.assert_array_equal(looked[0, :3], (keras_own[0, :3] + delta).astype("float32"))
+    np.testing.assert_array_equal(looked[0, 3], keras_own[0, 3])

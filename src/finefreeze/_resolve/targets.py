@@ -236,7 +236,7 @@ def _collect_keras(root) -> Target:
             path = var_path(v)
             made_trainable = any(v is w for w in weights)  # a weight, not a statistic or a seed
             off = not base_trainable(v) and (_lora_base(layer, v) or (lora_root and made_trainable))
-            mode = is_quantized(layer) if v is kernel_variable(layer) else None
+            mode = is_quantized(layer) if v is kernel_variable(layer) or v is embeddings_variable(layer) else None
             if mode in QUANTIZED_KINDS:  # a plan addresses it by the float kernel's shape and trains a delta
                 shape, dtype, off = logical_shape(layer), layer.variable_dtype, True
             else:

@@ -130,8 +130,9 @@ class KernelSlice:
 
 
 def quantized(layer, variable) -> bool:
-    """Whether ``variable`` is the kernel of a layer Keras quantized to a mode a plan may train a part of."""
-    return kernel_variable(layer) is variable and is_quantized(layer) in QUANTIZED_KINDS
+    """Whether ``variable`` is the kernel (or table) of a layer Keras quantized to a mode a plan may train a part of."""
+    own = kernel_variable(layer) is variable or embeddings_variable(layer) is variable
+    return own and is_quantized(layer) in QUANTIZED_KINDS
 
 
 def kernel_shape(layer, variable) -> tuple[int, ...]:
@@ -286,7 +287,7 @@ def _quantized_choice(layer, variable, frozen: np.ndarray):
     ks = kernel_slice(layer, variable, frozen, at_most=1.0)
     n = frozen.size - int(np.count_nonzero(frozen))
     sample = kernel_sample(layer, variable, frozen, at_most=1.0)
-    if ks is not None and (ks.size == n or ks.fraction <= SLICE_AT_MOST or sample is None):
+    if ks is not None and (ks.kind == "rows" or ks.size == n or ks.fraction <= SLICE_AT_MOST or sample is None):
         return ks, True
     return (sample, True) if sample is not None else (ks, ks is not None)
 

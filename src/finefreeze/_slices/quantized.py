@@ -41,7 +41,7 @@ from keras import ops
 
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value
-from finefreeze._keras.quantized import quantized_product
+from finefreeze._keras.quantized import quantized_lookup, quantized_product
 from finefreeze._slices.choose import MARK
 from finefreeze._slices.product import Taken
 
@@ -197,6 +197,9 @@ def delta_call(layer, ks, taken, product, standin, index, bias_and_activation):
         bias_and_activation: ``(layer, y) -> y``: the rest of the layer's call.
     """
 
+    if ks.kind == "rows":
+        return _rows_call(layer, ks, taken, standin)
+
     def call(inputs, training=None):
         y = quantized_product(layer, inputs, training=training)
         x = ops.cast(inputs, y.dtype)
@@ -205,6 +208,45 @@ def delta_call(layer, ks, taken, product, standin, index, bias_and_activation):
         else:
             delta = block_delta(product, x, standin(), taken)
         return bias_and_activation(layer, ops.add(y, ops.cast(delta, y.dtype)))
+
+    return call
+
+
+def _rows_call(layer, ks, taken: Taken, standin):
+    """The ``quantized_call`` of a quantized ``Embedding`` whose trained elements lie in some rows (new tokens).
+
+    The lookup adds each id's delta row (zero for the other ids); a tied
+    ``ReversibleEmbedding``'s reverse projection adds ``h`` times the delta
+    rows to their logits, before the soft cap.
+    """
+    rows = taken.index[0]
+    place = np.full(ks.shape[0], len(rows), np.int32)  # each id's row of the delta, or the zero row past it
+    place[rows] = np.arange(len(rows), dtype=np.int32)
+    block = (len(rows), ks.shape[1])
+
+    def delta_rows(dtype):
+        if taken.positions is None:
+            d = ops.reshape(standin(), block)
+        else:
+            where = ops.expand_dims(ops.convert_to_tensor(taken.positions), 1)
+            d = ops.reshape(ops.scatter(where, standin(), (block[0] * block[1],)), block)
+        return ops.cast(d, dtype)
+
+    def call(inputs, reverse=False, **kwargs):
+        if reverse:
+            logits = quantized_product(layer, inputs, reverse=True)
+            extra = ops.matmul(ops.cast(inputs, logits.dtype), ops.transpose(delta_rows(logits.dtype)))
+            logits = ops.add(logits, _place(extra, -1, rows, taken.places[0], ks.shape[0]))
+            if getattr(layer, "logit_soft_cap", None) is not None:
+                cap = layer.logit_soft_cap
+                logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+            return logits
+        ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
+        out = quantized_lookup(layer, ids)
+        d = delta_rows(out.dtype)
+        padded = ops.concatenate([d, ops.zeros((1, block[1]), dtype=out.dtype)], axis=0)
+        ids = ops.where(ids < 0, ids + ks.shape[0], ids)  # counted from the end, as Keras takes them
+        return ops.add(out, ops.take(padded, ops.take(ops.convert_to_tensor(place), ids, axis=0), axis=0))
 
     return call
 
