@@ -154,7 +154,7 @@ def test_what_a_quantized_kernel_cannot_do_is_a_clear_error_that_changes_nothing
     before = _bytes(m)
     with pytest.raises(ff.PlanError, match=r"int8-quantized kernel .*mask made from its values"):
         ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel", where=lambda w: w > 0)])
-    with pytest.raises(ff.PlanError, match=r"every element of '.*a/kernel', a int8-quantized kernel .*\(12, 16\)"):
+    with pytest.raises(ff.PlanError, match=r"every element of '.*a/kernel', an int8-quantized kernel .*\(12, 16\)"):
         ff.Freezer(m, [ff.train("a/kernel")])
     assert {p: v for p, v in _bytes(m).items()}.keys() == before.keys()
     assert all(np.array_equal(v, before[p]) for p, v in _bytes(m).items())
@@ -211,7 +211,7 @@ def test_a_quantized_bases_delta_is_refused_by_the_float_base_and_the_reverse(tm
     path, _ = _trained_on_int8(ff.train("a/kernel", rows=0.25), x, y, tmp_path, "q")
     float_base = _net_float()
     before = _bytes(float_base)
-    with pytest.raises(ff.DeltaError, match=r"trained on a int8-quantized .*a/kernel.*model.quantize\('int8'\)"):
+    with pytest.raises(ff.DeltaError, match=r"trained on an int8-quantized .*a/kernel.*model.quantize\('int8'\)"):
         ff.load_delta(float_base, path)
     assert all(np.array_equal(v, before[p]) for p, v in _bytes(float_base).items())
 
@@ -323,3 +323,14 @@ def test_a_tied_quantized_tables_new_rows_add_their_delta_to_the_lookup_and_to_t
     keras_own = np.asarray(keras.ops.convert_to_numpy(quantized_lookup(table, ids_now)))
     np.testing.assert_array_equal(looked[0, :3], (keras_own[0, :3] + delta).astype("float32"))
     np.testing.assert_array_equal(looked[0, 3], keras_own[0, 3])
+
+
+def test_select_on_a_quantized_model_says_to_select_on_the_float_model_first():
+    m = _net("int8")
+    x, y = _data()
+    m.compile(loss="mse")
+    with pytest.raises(ff.PlanError, match=r"select: '.*a/kernel' is an int8-quantized kernel .*before quantize\(\)"):
+        ff.select(m, (x, y), budget=0.1, options={"verbose": 0})
+    with pytest.raises(ff.PlanError, match=r"Select on the float model before quantize"):
+        ff.select(m, (x, y), budget=0.5, exclude="**/kernel", options={"verbose": 0})
+    assert not any(getattr(layer, "_finefreeze_sliced", None) for layer in m.layers)

@@ -169,12 +169,12 @@ def quantized_mismatch(path: str, base: str | None, delta: str | None) -> str:
     """Why a delta of a quantized (or float) kernel does not apply to a float (or quantized) one, and the fix."""
     if delta is None:
         return (
-            f"{path!r} is a {base}-quantized kernel in the base, and the delta was trained on its float values: a "
+            f"{path!r} is an {base}-quantized kernel in the base, and the delta was trained on its float values: a "
             "delta cannot write float values into integers. Apply the delta to the float model, then quantize() it."
         )
     if base is None:
         return (
-            f"the delta was trained on a {delta}-quantized {path!r}: its values are a float delta to that kernel's "
+            f"the delta was trained on an {delta}-quantized {path!r}: its values are a float delta to that kernel's "
             f"integers, which this base does not hold. Quantize the base the same way first "
             f"(model.quantize({delta!r})), then apply it."
         )

@@ -118,7 +118,7 @@ class VarInfo:
         """
         if self.quantized is not None:
             raise PlanError(
-                f"{self.path!r} is a {self.quantized}-quantized kernel (logical shape {self.shape}): a mask made from "
+                f"{self.path!r} is an {self.quantized}-quantized kernel (logical shape {self.shape}): a mask made from "
                 "its values (where=) cannot read them as floats. Make the mask on the float model before "
                 "quantize() (the same plan applies after it), or give indices, fractions or a mask array."
             )
