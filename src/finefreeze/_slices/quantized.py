@@ -39,6 +39,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from finefreeze._backends.chosen import chosen
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.quantized import quantized_lookup, quantized_product
@@ -114,8 +115,9 @@ def _spread(t, values, take_at, add_at, width: int):
     The product of ``t`` with a kernel that is zero but at the elements, read
     at them alone: ``N`` products per element, no kernel-shaped value.
     """
-    taken = ops.transpose(ops.take(t, take_at, axis=1) * ops.cast(values, t.dtype))  # (elements, N)
-    return ops.transpose(ops.segment_sum(taken, add_at, num_segments=width))
+    rows = ops.take(chosen().transposed(t), take_at, axis=0)  # (elements, N): whole rows, not strided columns
+    taken = rows * ops.expand_dims(ops.cast(values, t.dtype), 1)
+    return ops.transpose(chosen().add_rows(taken, add_at, width))
 
 
 def scattered_delta(op, x, values, flat, sampled, shape):
