@@ -263,7 +263,7 @@ def child(a) -> dict:
             for v in kernels(model) if v.path in before
         )  # fmt: skip
         if a.quantize != "none":  # the kernels are integers, verified bit for bit: their float deltas moved
-            deltas = [v for v in model.trainable_weights if v.path.endswith("kernel_trained/values")]
+            deltas = [v for v in model.trainable_weights if v.path.endswith("_trained/values")]
             moved = bool(deltas) and all(np.any(np.asarray(keras.ops.convert_to_numpy(v)) != 0) for v in deltas)
         out["exact"] = bool(moved)
         out["gradients"] = sorted({v.get("gradient", "dense") for v in rep["variables"] if v["state"] == "partial"})

@@ -229,8 +229,15 @@ def _net_float():
         ("btnh,nhd->btd", (2, 3, 2, 3), (2, 3, 4)),
     ],
 )
-def test_the_product_read_at_scattered_elements_is_the_dense_products_with_its_gradients(equation, x_shape, k_shape):
+@pytest.mark.parametrize("chunk", [None, 16])  # 16 values: the elements go a few at a time, in a loop
+def test_the_product_read_at_scattered_elements_is_the_dense_products_with_its_gradients(
+    equation, x_shape, k_shape, chunk, monkeypatch
+):
+    from finefreeze._slices import quantized as module
     from finefreeze._slices.quantized import scattered_delta
+
+    if chunk is not None:
+        monkeypatch.setattr(module, "SAMPLED_CHUNK", chunk)
     from finefreeze._slices.sampled import Sampled, padded_index
 
     rng = np.random.default_rng(11)
