@@ -211,7 +211,7 @@ def test_a_quantized_bases_delta_is_refused_by_the_float_base_and_the_reverse(tm
     path, _ = _trained_on_int8(ff.train("a/kernel", rows=0.25), x, y, tmp_path, "q")
     float_base = _net_float()
     before = _bytes(float_base)
-    with pytest.raises(ff.DeltaError, match=r"trained on an int8-quantized .*a/kernel.*model.quantize\('int8'\)"):
+    with pytest.raises(ff.DeltaError, match=r"made on a base whose '.*' is int8-quantized.*model.quantize\('int8'\)"):
         ff.load_delta(float_base, path)
     assert all(np.array_equal(v, before[p]) for p, v in _bytes(float_base).items())
 
@@ -341,3 +341,67 @@ def test_select_on_a_quantized_model_says_to_select_on_the_float_model_first():
     with pytest.raises(ff.PlanError, match=r"Select on the float model before quantize"):
         ff.select(m, (x, y), budget=0.5, exclude="**/kernel", options={"verbose": 0})
     assert not any(getattr(layer, "_finefreeze_sliced", None) for layer in m.layers)
+
+
+def test_columns_of_every_row_of_a_quantized_table_train_too():
+    rng = np.random.default_rng(8)
+    ids = keras.Input((4,), dtype="int32")
+    table = keras.layers.ReversibleEmbedding(10, 6, name="tok")
+    m = keras.Model(ids, table(table(ids), reverse=True))
+    for v in m.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    m.quantize("int4")
+    stored = _bytes(m)
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("tok/embeddings[:, :2]")])
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    x = rng.integers(0, 10, (16, 4)).astype("int32")
+    m.fit(x, x, epochs=2, verbose=0)
+    frz.verify()
+    assert all(np.array_equal(v, stored[p]) for p, v in _bytes(m).items() if p in stored)
+    assert np.count_nonzero(_delta(m, "tok")) == 20
+
+
+def test_a_freezer_made_before_quantize_refuses_to_train_and_says_why():
+    m = _net(None)
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel[:, :4]")])
+    m.quantize("int8")
+    with pytest.raises(ff.PlanError, match=r"'a/kernel' was quantized \(int8\) after this Freezer was made"):
+        frz.wrap(keras.optimizers.Adam())
+
+
+def test_a_delta_cannot_widen_the_delta_a_live_freezer_trains(tmp_path):
+    x, y = _data()
+    path, _ = _trained_on_int8(ff.train("a/kernel[:, :4]"), x, y, tmp_path, "left")
+    m = _net("int8")
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel[:, 8:]")])
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+    before = _delta(m, "a").copy()
+    with pytest.raises(ff.DeltaError, match=r"a live Freezer trains other elements of '.*a/kernel'"):
+        ff.load_delta(m, path)
+    assert np.array_equal(_delta(m, "a"), before) and before.size == 96
+    m.fit(x, y, epochs=1, verbose=0)
+    frz.verify()
+
+
+def test_int4_tables_group_index_is_verified_and_int4_deltas_merge(tmp_path):
+    x, y = _data()
+    files = []
+    for k, rule in enumerate([ff.train("a/kernel[:, :4]"), ff.train("a/kernel[:, 8:]")]):
+        m = _net("int4")
+        frz = ff.Freezer(m, [ff.freeze("**"), rule])
+        m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+        m.fit(x, y, epochs=1, verbose=0)
+        files.append(os.fspath(tmp_path / f"{k}.safetensors"))
+        frz.save_delta(files[-1])
+    assert ff.merge_deltas(files, os.fspath(tmp_path / "both.safetensors"))["elements"] == 48 + 96
+    rng = np.random.default_rng(1)
+    ids = keras.Input((3,), dtype="int32")
+    t = keras.Model(ids, keras.layers.Dense(2, name="d")(keras.layers.Embedding(8, 4, name="tok")(ids)))
+    for v in t.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    t.quantize("int4")
+    frz = ff.Freezer(t, [ff.freeze("**"), ff.train("tok/embeddings[-2:]")])
+    g_idx = t.get_layer("tok").g_idx
+    g_idx.assign(np.asarray(keras.ops.convert_to_numpy(g_idx)) + 1)
+    with pytest.raises(ff.FrozenValueChanged, match="g_idx"):
+        frz.verify()

@@ -22,7 +22,7 @@ from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile
 from finefreeze._resolve.fingerprint import block_hashes
 from finefreeze._resolve.targets import collect, match_path
-from finefreeze._slices.held import delta_elements, hold_delta
+from finefreeze._slices.held import delta_elements, foreign_delta, hold_delta
 
 __all__ = ["Entry", "Bound", "digest", "read_entries", "bind", "encode"]
 
@@ -160,6 +160,12 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
                         f"{source}: the frozen part of {p!r} (shape {e.shape}) differs from the base the "
                         "delta was trained on (fingerprint mismatch); apply it to that base."
                     )
+        if e.quantized is not None and e.values is not None and foreign_delta(vi.owner, vi.variable, e.index):
+            raise DeltaError(
+                f"{source}: a live Freezer trains other elements of {p!r}'s float delta (it is quantized), and its "
+                "optimizer holds their state: load the delta into a base no Freezer trains (or make the Freezer "
+                "after loading it, with a plan that trains these elements too)."
+            )
         if e.values is not None:
             bound.append(Bound(e, vi.variable) if e.quantized is None else QuantizedBound(e, vi.owner, vi.variable))
     return bound
@@ -174,9 +180,9 @@ def quantized_mismatch(path: str, base: str | None, delta: str | None) -> str:
         )
     if base is None:
         return (
-            f"the delta was trained on an {delta}-quantized {path!r}: its values are a float delta to that kernel's "
-            f"integers, which this base does not hold. Quantize the base the same way first "
-            f"(model.quantize({delta!r})), then apply it."
+            f"the delta was made on a base whose {path!r} is {delta}-quantized, and this base holds it in float: a "
+            "quantized kernel's trained values are a float delta to its integers. Quantize the base the same way "
+            f"first (model.quantize({delta!r})), then apply it."
         )
     return f"{path!r} is {base}-quantized in the base but was {delta}-quantized when the delta was trained."
 

@@ -22,7 +22,7 @@ from finefreeze._resolve.fingerprint import fingerprinted_items, take
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 from finefreeze._slices.calls import set_sliced
-from finefreeze._slices.held import retrace
+from finefreeze._slices.held import refuse_requantized, retrace
 
 __all__ = ["GRADIENTS", "Freezer"]
 
@@ -358,6 +358,7 @@ class Freezer(Resumable, FreezerBase):
             self._update(plan)
         warn_switched_on(self._target, self._res)
         warn_switched_off(self._res)
+        refuse_requantized(self._res)
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")

@@ -58,13 +58,13 @@ def quantized_values(layer) -> list:
 
     Relies on: ``kernel_scale``, ``kernel_zero`` (int4 sub-channel) and
     ``g_idx`` are attributes of the layer (an ``Embedding``'s:
-    ``_embeddings``, ``embeddings_scale``, ``embeddings_zero``).
+    ``_embeddings``, ``embeddings_scale``, ``embeddings_zero``, ``g_idx``).
     """
     import keras
 
     if isinstance(layer, keras.layers.Embedding):
         out = [layer._embeddings]
-        names = ("embeddings_scale", "embeddings_zero")
+        names = ("embeddings_scale", "embeddings_zero", "g_idx")
     else:
         out = [layer._kernel]
         names = ("kernel_scale", "kernel_zero", "g_idx")

@@ -237,7 +237,7 @@ def resolve(plan: Plan, target: Target, *, selecting: bool = False) -> Resolutio
             raise PlanError(
                 f"the plan trains every element of {vi.path!r}, an {vi.quantized}-quantized kernel of logical shape "
                 f"{vi.shape}: its float delta would be as large as the float kernel. Train a part of it (rows=, "
-                "columns=, heads=, an index, a mask or select), freeze it (freeze('**/kernel') before broader "
+                f"columns=, heads=, an index, a mask or select), freeze it (ff.freeze({vi.path!r}) after broader "
                 "train rules), or train LoRA on it."
             )
     _check_hits(plan, target, hits, untrained_hits)

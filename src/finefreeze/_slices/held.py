@@ -12,12 +12,43 @@ from __future__ import annotations
 
 import numpy as np
 
+from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value
+from finefreeze._keras.quantized import is_quantized
 from finefreeze._slices.calls import _give_call, _take_call
 from finefreeze._slices.choose import MARK, choose, kernel_shape
 from finefreeze._slices.quantized import carry, delta_kept
 
-__all__ = ["delta_elements", "hold_delta", "retrace"]
+__all__ = ["delta_elements", "foreign_delta", "hold_delta", "refuse_requantized", "retrace"]
+
+
+def refuse_requantized(res) -> None:
+    """Raise when a layer was quantized after ``res`` was resolved: its planned float kernel left the model.
+
+    Raises:
+        PlanError: naming the kernel, with the fix (make the Freezer after ``quantize()``).
+    """
+    for s in res.states:
+        layer = s.info.owner
+        if s.info.quantized is None and s.info.is_keras and is_quantized(layer) is not None:
+            if not any(w is s.variable for w in layer.weights):
+                raise PlanError(
+                    f"{s.path!r} was quantized ({is_quantized(layer)}) after this Freezer was made: the float kernel "
+                    "it planned is no longer the model's, so nothing would train. Make the Freezer after "
+                    "quantize() (the same plan applies to the quantized kernel)."
+                )
+
+
+def foreign_delta(layer, variable, trained: np.ndarray) -> bool:
+    """Whether a live Freezer trains a delta of this quantized kernel that lacks some of ``trained``.
+
+    A file cannot widen that delta: the Freezer's optimizer holds its state.
+    """
+    mark = instance_value(layer, MARK, None)
+    if mark is None or not mark.quantized or mark.holder is None or mark.variable is not variable:
+        return False
+    owner = mark.owner()
+    return owner is not None and owner is not _FILES and not np.isin(trained, mark.index).all()
 
 
 def retrace(model) -> None:

@@ -241,7 +241,8 @@ def _rows_call(layer, ks, taken: Taken, standin):
     ``ReversibleEmbedding``'s reverse projection adds ``h`` times the delta
     rows to their logits, before the soft cap.
     """
-    rows = taken.index[0]
+    rows = taken.index[0] if taken.index[0] is not None else np.arange(ks.shape[0], dtype=np.int32)
+    span = taken.places[0] if taken.places[0] is not None else (0, ks.shape[0])  # every row: a range
     place = np.full(ks.shape[0], len(rows), np.int32)  # each id's row of the delta, or the zero row past it
     place[rows] = np.arange(len(rows), dtype=np.int32)
     block = (len(rows), ks.shape[1])
@@ -258,7 +259,7 @@ def _rows_call(layer, ks, taken: Taken, standin):
         if reverse:
             logits = quantized_product(layer, inputs, reverse=True)
             extra = ops.matmul(ops.cast(inputs, logits.dtype), ops.transpose(delta_rows(logits.dtype)))
-            logits = ops.add(logits, _place(extra, -1, rows, taken.places[0], ks.shape[0]))
+            logits = ops.add(logits, _place(extra, -1, rows, span, ks.shape[0]))
             if getattr(layer, "logit_soft_cap", None) is not None:
                 cap = layer.logit_soft_cap
                 logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
