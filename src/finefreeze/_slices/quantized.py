@@ -91,14 +91,7 @@ def block_delta(op, x, values, taken: Taken):
 
 def _columns_of(sampled, t, spec: str, kernel_letters: list[str], width: int):
     """``t`` as ``(N, width)`` (as the sampled product lays it out), and the function that lays it back."""
-    if "..." in spec:
-        pre, post = spec.split("...")
-        free = [f"_{i}" for i in range(len(t.shape) - len(pre) - len(post))]
-        letters = list(pre) + free + list(post)
-    else:
-        letters = list(spec)
-    batch = sorted((c for c in letters if c not in sampled.k_spec), key=sampled._batch_order)
-    perm = [letters.index(c) for c in batch + kernel_letters]
+    perm = sampled.permutation(len(t.shape), spec, kernel_letters)
     moved = [t.shape[i] for i in perm]
     inverse = list(np.argsort(perm))
 
@@ -106,8 +99,7 @@ def _columns_of(sampled, t, spec: str, kernel_letters: list[str], width: int):
         t2 = ops.reshape(t2, [-1 if d is None else d for d in moved])
         return t2 if perm == list(range(len(perm))) else ops.transpose(t2, inverse)
 
-    flat = t if perm == list(range(len(perm))) else ops.transpose(t, perm)
-    return ops.reshape(flat, (-1, width)), back
+    return sampled._as_columns(t, spec, kernel_letters, width), back
 
 
 def _spread(t, values, take_at, add_at, width: int):
