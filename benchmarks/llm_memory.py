@@ -190,6 +190,7 @@ def child(a) -> dict:
     x, y = data(a.size)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = {"variant": a.variant, "backend": keras.backend.backend(), "size": a.size, "dtype": a.dtype}
+    out["quantize"] = a.quantize
     out["stages_mb"] = stages = {"built": peak_mb()}
     out["parameters"] = int(sum(np.prod(v.shape) for v in model.weights))
     if a.variant == "select":
@@ -216,8 +217,12 @@ def child(a) -> dict:
         cols.save(os.path.join(a.workdir, "fisher-columns.json"))
         out["peak_mb"] = peak_mb()
         return out
+    plan = plan_for(a.variant, model, a.size, a.workdir)  # on the float kernels: the same plan after quantize()
+    if a.quantize != "none":  # Keras' quantized base (QLoRA: quantize, then LoRA on top)
+        if a.variant in ("full", "scattered-table"):
+            raise SystemExit(f"{a.variant!r} trains what a quantized base holds as integers: not a variant here")
+        backbone.quantize(a.quantize)
     enable_lora(backbone, a.variant)
-    plan = plan_for(a.variant, model, a.size, a.workdir)
     frz = None
     if plan is None:
         opt = keras.optimizers.Adam(1e-4)
@@ -229,11 +234,11 @@ def child(a) -> dict:
     out["peak_reset"] = restart_peak()
     stages["before training"] = peak_mb()
     # the trained elements' values only: a copy of every kernel would sit in memory through the steps
-    trained = {v.path: ~frz.frozen_mask(v.path) for v in kernels(model)} if frz else {}
+    trained = {v.path: ~frz.frozen_mask(v.path) for v in kernels(model)} if frz and a.quantize == "none" else {}
     before = {
         p: np.asarray(keras.ops.convert_to_numpy(v))[trained[p]]
         for p, v in ((v.path, v) for v in kernels(model))
-        if frz and trained[p].any()
+        if frz and p in trained and trained[p].any()
     }
     times = []
     for _ in range(a.steps):
@@ -257,6 +262,9 @@ def child(a) -> dict:
             not np.array_equal(before[v.path], np.asarray(keras.ops.convert_to_numpy(v))[trained[v.path]])
             for v in kernels(model) if v.path in before
         )  # fmt: skip
+        if a.quantize != "none":  # the kernels are integers, verified bit for bit: their float deltas moved
+            deltas = [v for v in model.trainable_weights if v.path.endswith("_trained/values")]
+            moved = bool(deltas) and all(np.any(np.asarray(keras.ops.convert_to_numpy(v)) != 0) for v in deltas)
         out["exact"] = bool(moved)
         out["gradients"] = sorted({v.get("gradient", "dense") for v in rep["variables"] if v["state"] == "partial"})
     if a.xla_memory:
@@ -338,7 +346,7 @@ def run_child(variant: str, a) -> dict:
     cmd += ["--gradients", a.gradients, "--workdir", a.workdir, "--examples", str(a.examples)]
     cmd += ["--xla-memory"] if a.xla_memory else []
     cmd += ["--graph-ops"] if a.graph_ops else []
-    cmd += ["--jit-compile", a.jit_compile]
+    cmd += ["--jit-compile", a.jit_compile, "--quantize", a.quantize]
     got = subprocess.run(cmd, capture_output=True, text=True)
     if got.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{got.stderr[-4000:]}")
@@ -356,7 +364,7 @@ def memory_table(a) -> None:
     floor, full = rows.get("floor", {}).get("peak_mb"), rows.get("full", {}).get("peak_mb")
     steady = {k: rows.get(k, {}).get("steady_mb") for k in ("floor", "full")}
     r0 = next(iter(rows.values()))
-    print(f"\n{r0['backend']}, {r0['size']} ({r0['parameters']:,} parameters), {r0['dtype']}, "
+    print(f"\n{r0['backend']}, {r0['size']} ({r0['parameters']:,} parameters), {r0['dtype']}, base {a.quantize}, "
           f"batch {BATCH} x {TOKENS} tokens, Adam, {a.steps} steps, gradients={a.gradients!r}\n")  # fmt: skip
     print("| variant | trained elements | optimizer state | peak MB | excess | steady MB | steady excess | plan MB "
           "| step s | exact |")  # fmt: skip
@@ -365,6 +373,7 @@ def memory_table(a) -> None:
         if v == "select":
             continue
         excess = "" if floor is None or full is None else f"{(r['peak_mb'] - floor) / (full - floor):.3f}"
+        excess = excess or (f"+{r['peak_mb'] - floor:,.0f} MB" if floor is not None else "")
         calm = (
             ""
             if None in steady.values()
@@ -372,6 +381,9 @@ def memory_table(a) -> None:
         )
         exact = {True: "yes", False: "frozen only", None: "—"}[r.get("exact")]  # verify() raises otherwise
         plan = r["stages_mb"]["planned"] - r["stages_mb"]["built"]
+        lora = rows.get("lora-all", {}).get("peak_mb")
+        if floor is not None and lora is not None and lora > floor:  # over LoRA r8 on every projection's extra
+            excess += f" ({(r['peak_mb'] - floor) / (lora - floor):.2f} x lora-all's)"
         print(f"| {v} | {r['trained']:,} | {r['optimizer_state']:,} | {r['peak_mb']:,.0f} | {excess} | "
               f"{r['steady_mb']:,.0f} | {calm} | {plan:,.0f} | {r['step_s']:.2f} | {exact} |")  # fmt: skip
     if floor is not None and full is not None and full - floor < 100:
@@ -411,8 +423,10 @@ def time_table(a) -> None:
     models = {}
     for v in chosen:
         model, backbone = build(a.size, a.dtype)
-        enable_lora(backbone, v)
         plan = plan_for(v, model, a.size, a.workdir)
+        if a.quantize != "none":
+            backbone.quantize(a.quantize)
+        enable_lora(backbone, v)
         opt = (
             keras.optimizers.Adam(1e-4)
             if plan is None
@@ -456,6 +470,9 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=16, help="examples the fisher selection scores")
     ap.add_argument("--time", action="store_true", help="step times, interleaved in one process")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--quantize", default="none", choices=["none", "int8", "int4"], help="Keras' quantized base (QLoRA's)"
+    )
     ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "finefreeze-llm-memory"))
     ap.add_argument(
         "--xla-memory", action="store_true", help="JAX: also the compiled step's temporaries (XLA's figure)"

@@ -243,7 +243,7 @@ MUTATIONS = [
     (
         "sampled product: scattered elements never detected (the dense path)",
         "_slices/choose.py",
-        "if n == 0 or n > SAMPLE_AT_MOST * frozen.size:",
+        "if n == 0 or n > at_most * frozen.size:",
         "if True:",
         "tests/test_slices_sampled.py -k never_computed",
     ),

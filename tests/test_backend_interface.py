@@ -5,6 +5,7 @@ import inspect
 import pathlib
 
 import keras
+import numpy as np
 import pytest
 
 from backend_utils import BACKEND
@@ -98,3 +99,14 @@ def test_sampled_dots_give_each_pairs_dot_product_in_the_pairs_order(order, wind
     reference = np.einsum("nk,nk->k", x[:, a].astype("float64"), dy[:, b].astype("float64"))
     assert got.dtype == np.float32 and got.shape == (a.size,)
     assert np.max(np.abs(got - reference)) <= 1e-5 * np.max(np.abs(reference))
+
+
+def test_add_rows_adds_each_row_at_its_place():
+    rows = np.arange(12, dtype="float32").reshape(4, 3)
+    at = np.array([2, 0, 2, 4], "int32")
+    want = np.zeros((5, 3), "float32")
+    np.add.at(want, at, rows)
+    got = keras.ops.convert_to_numpy(
+        chosen().add_rows(keras.ops.convert_to_tensor(rows), keras.ops.convert_to_tensor(at), 5)
+    )
+    assert np.array_equal(got, want)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from backend_utils import BACKEND
-from finefreeze._keras import instances, layers, optimizers, variables
+from finefreeze._keras import instances, layers, optimizers, quantized, variables
 
 
 def _dense(units=3, inputs=4, **kwargs):
@@ -39,7 +39,7 @@ def _numpy(x):
 
 
 def test_every_function_of_the_seam_has_its_contract_test_here():
-    names = {name for module in (instances, layers, optimizers, variables) for name in module.__all__}
+    names = {name for module in (instances, layers, optimizers, quantized, variables) for name in module.__all__}
     functions = {
         n
         for n in names
@@ -47,6 +47,7 @@ def test_every_function_of_the_seam_has_its_contract_test_here():
             getattr(instances, n, None)
             or getattr(layers, n, None)
             or getattr(optimizers, n, None)
+            or getattr(quantized, n, None)
             or getattr(variables, n, None)
         )
     }
@@ -55,7 +56,7 @@ def test_every_function_of_the_seam_has_its_contract_test_here():
 
 
 def test_every_function_of_the_seam_says_what_keras_behaviour_it_relies_on():
-    for module in (instances, layers, optimizers, variables):
+    for module in (instances, layers, optimizers, quantized, variables):
         for name in module.__all__:
             fn = getattr(module, name)
             if inspect.isfunction(fn):
@@ -610,7 +611,7 @@ def test_a_sliced_layers_output_and_input_gradient_are_keras_own_bit_for_bit(cas
     assert kernel.path in frz._gradients_record()["sliced"]
 
 
-def test_a_lora_layer_keeps_keras_own_call_and_a_quantized_kernel_is_refused():
+def test_a_lora_layer_keeps_keras_own_call_and_a_quantized_kernel_gets_a_delta_beside_keras_quantized_call():
     import finefreeze as ff
 
     i = keras.Input((8,))
@@ -623,8 +624,78 @@ def test_a_lora_layer_keeps_keras_own_call_and_a_quantized_kernel_is_refused():
     assert instances.instance_value(d, "call", None) is None  # never replaced: the dense path, Keras' own
     assert frz._gradients_record()["sliced"] == []
     q = keras.layers.Dense(6, name="k")
-    quantized = keras.Model(i, q(i))
+    qmodel = keras.Model(i, q(i))
     q.quantize("int8")
-    with pytest.raises(ff.PlanError, match="Keras does not train"):
-        ff.Freezer(quantized, ff.Plan([ff.train("k/kernel", mask=trained)]), gradients="sliced")
-    assert instances.instance_value(q, "call", None) is None
+    frz = ff.Freezer(qmodel, ff.Plan([ff.train("k/kernel", mask=trained)]), gradients="dense")
+    assert instances.instance_value(q, "call", None) is None  # Keras runs quantized_call: that one is set
+    assert instances.instance_value(q, "quantized_call", None) is not None  # whatever the gradients mode
+    assert frz._gradients_record()["sliced"] == ["functional_1/k/kernel"] or len(frz._gradients_record()["sliced"]) == 1
+
+
+# -- quantized ---------------------------------------------------------------------------------------------------
+
+
+def _quantized_dense(mode, activation="tanh"):
+    rng = np.random.default_rng(0)
+    d = keras.layers.Dense(6, activation=activation)
+    d.build((None, 5))
+    d.kernel.assign(rng.normal(size=(5, 6)).astype("float32"))
+    d.bias.assign(rng.normal(size=(6,)).astype("float32"))
+    d.quantize(mode)
+    return d
+
+
+def test_is_quantized():
+    assert quantized.is_quantized(_dense()) is None
+    assert quantized.is_quantized(_quantized_dense("int8")) == "int8"
+    conv = keras.layers.Conv2D(2, 3)
+    conv.build((None, 5, 5, 1))
+    assert quantized.is_quantized(conv) is None  # only Dense, EinsumDense and Embedding
+    table = keras.layers.Embedding(10, 4)
+    table.build((None,))
+    table.quantize("int4")
+    assert quantized.is_quantized(table) == "int4"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_logical_shape(mode):
+    d = _quantized_dense(mode)
+    assert quantized.logical_shape(d) == (5, 6) == tuple(d.kernel.shape)  # Keras' kernel property unpacks int4
+    e = keras.layers.EinsumDense("bd,dnh->bnh", (3, 4))
+    e.build((None, 5))
+    e.quantize(mode)
+    assert quantized.logical_shape(e) == (5, 3, 4)
+    table = keras.layers.Embedding(10, 6)
+    table.build((None,))
+    table.quantize(mode)
+    assert quantized.logical_shape(table) == (10, 6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_values(mode):
+    d = _quantized_dense(mode)
+    got = quantized.quantized_values(d)
+    assert got[0] is d._kernel and str(d._kernel.dtype) == "int8"
+    assert {v.path.rsplit("/", 1)[-1] for v in got} >= {"kernel", "kernel_scale"}
+    assert all(not v.trainable for v in got)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_product(mode):
+    d = _quantized_dense(mode)
+    x = keras.ops.convert_to_tensor(np.random.default_rng(1).normal(size=(3, 5)).astype("float32"))
+    bare = quantized.quantized_product(d, x)
+    # Keras' own quantized call is the product, then the bias, then the activation: bit for bit
+    assert np.array_equal(_numpy(keras.ops.tanh(keras.ops.add(bare, d.bias))), _numpy(d(x)))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_lookup(mode):
+    table = keras.layers.ReversibleEmbedding(10, 6)
+    table.build((None,))
+    table.embeddings.assign(np.random.default_rng(2).normal(size=(10, 6)).astype("float32"))
+    table.quantize(mode)
+    ids = keras.ops.convert_to_tensor(np.array([[1, 9, 3]], "int32"))
+    assert np.array_equal(_numpy(quantized.quantized_lookup(table, ids)), _numpy(table(ids)))  # Keras' own lookup
+    h = keras.ops.convert_to_tensor(np.random.default_rng(3).normal(size=(2, 6)).astype("float32"))
+    assert np.array_equal(_numpy(quantized.quantized_product(table, h, reverse=True)), _numpy(table(h, reverse=True)))

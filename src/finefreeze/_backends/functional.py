@@ -40,6 +40,7 @@ __all__ = [
     "INT64_INDICES_ONLY",
     "PAIRS_BY_POSITION",
     "SPARSE_LOOKUPS",
+    "add_rows",
     "as_optimizers_see",
     "backend_variable",
     "block_write",
@@ -191,6 +192,11 @@ def write_all(writes, after=()) -> None:
 def transposed(t):
     """The transpose of a 2-D ``t``, each of its rows contiguous in memory (a gather of rows reads them whole)."""
     return keras.ops.transpose(t)
+
+
+def add_rows(rows, at, count: int):
+    """``out[at[e]] += rows[e]`` for each row ``e`` of the 2-D ``rows``: ``(count, rows.shape[1])``, zeros elsewhere."""
+    return keras.ops.segment_sum(rows, at, num_segments=count)
 
 
 def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=None):

@@ -55,6 +55,7 @@ from finefreeze._keras.instances import no_tracking
 from finefreeze._keras.optimizers import decay_as
 from finefreeze._keras.variables import distribution_layout
 from finefreeze._kinds import Kind
+from finefreeze._resolve.standins import kernel_of
 from finefreeze._resolve.targets import remember_base
 from finefreeze._slices.choose import sliced_gradient
 from finefreeze._slices.product import spread
@@ -63,10 +64,12 @@ __all__ = [
     "Enforcer",
     "Enforcers",
     "decay_compact_like_its_variable",
+    "delta_kernels",
     "elements",
     "make_enforcer",
     "make_enforcers",
     "scale_value",
+    "with_delta_kernels",
 ]
 
 
@@ -93,6 +96,7 @@ class Enforcer:
     standin: Any = None  # the variable a sliced layer hands the trained elements' gradient to, or None
     owner: Any = None  # that layer
     trained: Any = None  # restore/mask with a stand-in: the flat indices of its elements (numpy), to scatter
+    delta: bool = False  # compact of a quantized kernel: the stand-in is a float delta, the kernel never touched
 
     @property
     def inner_variable(self):
@@ -120,6 +124,8 @@ class Enforcer:
         """
         if standin_grad is not None and self.kind != Kind.COMPACT:
             grad = spread(standin_grad, self.trained, self.shape)  # restore and mask hold dense state anyway
+        if self.delta:  # the delta is the state: nothing to read from the integers
+            return standin_grad, (snapshot(self.shadow) if self.scale is not None else None)
         if self.kind == Kind.COMPACT:
             idx = self.index.value
             if self.block is not None:  # the same elements in the same order, by slices
@@ -143,6 +149,11 @@ class Enforcer:
 
     def finish(self, old, writes: list):
         """Append the writes that put the model variable right after the inner update."""
+        if self.delta:
+            if old is not None:
+                new = self.shadow.value
+                writes.append((self.shadow, assign, (old + ops.cast(self.scale.value, ops.dtype(new)) * (new - old),)))
+            return
         if self.kind == Kind.COMPACT:
             new = self.shadow.value
             if old is not None:
@@ -232,7 +243,7 @@ def make_enforcer(add_variable, v, e: VarLayout) -> Enforcer:
             # one scale per element: sharded like the variable; a scalar: replicated
             layout=distribution_layout(v) if scale.shape == tuple(e.shape) and scale.ndim else None,
         )
-    enf.standin, enf.owner = e.standin, e.owner
+    enf.standin, enf.owner, enf.delta = e.standin, e.owner, e.delta
     return enf
 
 
@@ -271,7 +282,7 @@ def make_enforcers(add_variable, layout, var_list, saved: bool) -> tuple[list[En
     tracking: the optimizer must never track model variables.
     """
     ordered, frozen, seen = [], set(), set(layout.standins())  # stand-ins: their kernels' enforcers
-    for v in var_list:
+    for v in with_delta_kernels(layout, var_list):
         if id(v) in seen:
             continue
         seen.add(id(v))
@@ -284,6 +295,29 @@ def make_enforcers(add_variable, layout, var_list, saved: bool) -> tuple[list[En
             continue
         ordered.append(make_enforcer(add_variable, v, e))
     return ordered, frozen
+
+
+def with_delta_kernels(layout, var_list) -> list:
+    """``var_list`` and the quantized kernels whose deltas are in it (Keras trains the delta, not the integers)."""
+    out, ids = list(var_list), {id(v) for v in var_list}
+    for v in var_list:
+        e = layout.standins().get(id(v))
+        kernel = kernel_of(v) if e is not None and e.delta else None
+        if kernel is not None and id(kernel) not in ids:
+            out.append(kernel)
+            ids.add(id(kernel))
+    return out
+
+
+def delta_kernels(enforcers: Enforcers, var_list) -> list:
+    """The quantized kernels whose deltas are in ``var_list`` and which are not (Keras trains the delta only)."""
+    given = {id(v) for v in var_list}
+    out = []
+    for v in var_list:
+        e = enforcers.by_standin.get(id(v))
+        if e is not None and e.delta and id(e.variable) not in given:
+            out.append(e.variable)
+    return out
 
 
 def decay_compact_like_its_variable(inner, enforcers: Enforcers) -> None:

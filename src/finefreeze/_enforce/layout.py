@@ -71,6 +71,8 @@ class VarLayout:
     # and that layer (whose call says, as each step is traced, whether it hands it: held dense, it does not)
     standin: Any = None
     owner: Any = None
+    # a quantized kernel's: the stand-in is a float delta beside the integers, never read from or written to them
+    delta: bool = False
 
     @property
     def size(self) -> int:
@@ -228,12 +230,17 @@ class Layout:
             else:
                 # a sparse or sliced gradient: compact's step costs the trained part, restore's the whole variable
                 cheap = sparse_gradients(s.info.owner) or slice_eligible(s.info.owner, s.variable) is not None
-                k = choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, cheap, s.path)
+                delta = s.info.quantized is not None  # its delta is the only state it has: compact's vector
+                k = (
+                    Kind.COMPACT
+                    if delta
+                    else choose_kind(strategy, s.n_trainable, s.info.size, s.variable, inner, cheap, s.path)
+                )
                 sliced = sliced_gradient(s.info.owner, s.variable) is not None  # held dense: flat indices, no retrace
-                block = exact_block(s.mask.dense()) if sliced and k == Kind.COMPACT else None
+                block = exact_block(s.mask.dense()) if sliced and k == Kind.COMPACT and not delta else None
                 standin = standin_of(s.info.owner, s.variable)
                 owner = s.info.owner if standin is not None else None
-                entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale, block, standin, owner)
+                entry = VarLayout(s.path, shape, k, s.mask, s.n_trainable, scale, block, standin, owner, delta)
             pairs.append((s.variable, entry))
             if s.info.raw is not s.variable:
                 pairs.append((s.info.raw, entry))

@@ -23,6 +23,9 @@ from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile
 from finefreeze._files.entries import bind, digest, read_entries
 from finefreeze._files.switch import WriteFailed, apply_bound
+from finefreeze._keras.quantized import quantized_values
+from finefreeze._slices.choose import standin_of
+from finefreeze._slices.held import delta_elements, retrace
 from finefreeze._version import __version__
 
 __all__ = ["save_delta", "load_delta", "write_file"]
@@ -37,8 +40,14 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     tensors: dict[str, np.ndarray] = {}
     meta_vars = {}
     res = frz._res
+    # a quantized kernel's scales and zero points are its integers' companions: checked, never written
+    constants = {id(v) for st in res.states if st.info.quantized for v in quantized_values(st.info.owner)}
     for st in res.states:
         p, var, kind, mask = st.path, st.variable, res.kind_of(st), st.mask
+        kind = "frozen" if kind == "untrained" and id(var) in constants else kind
+        if st.info.quantized is not None:  # its float delta, and a digest of its integers whole
+            meta_vars[p] = _quantized(p, st, kind, tensors)
+            continue
         value = np.ascontiguousarray(np.asarray(var.numpy()))
         info = {"shape": list(value.shape), "dtype": str(value.dtype), "kind": kind}
         if kind in ("trainable", "untrained"):
@@ -56,6 +65,25 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     except PlanError:
         plan = "null"
     return write_file(path, tensors, meta_vars, plan, base=base)
+
+
+def _quantized(p: str, st, kind: str, tensors: dict) -> dict:
+    """The metadata of a quantized kernel (its logical shape, its float delta's dtype), its delta put in ``tensors``."""
+    info = {"shape": list(st.info.shape), "dtype": st.info.dtype, "kind": kind, "quantized": st.info.quantized}
+    info["frozen"] = digest(np.ascontiguousarray(np.asarray(st.variable.numpy())), None)
+    if kind == "partial":
+        idx = st.mask.trainable_flat_indices()
+        delta = _delta_values(st)
+        places = np.searchsorted(delta_elements(st.info.owner, st.variable), idx)
+        tensors.update(deltafile.encode_index(p, idx))
+        tensors[f"{p}::values"] = np.ascontiguousarray(delta[places])
+    return info
+
+
+def _delta_values(st) -> np.ndarray:
+    """The float delta a quantized kernel's layer holds (every element it holds, in flat order)."""
+    mark = standin_of(st.info.owner, st.variable)
+    return np.asarray(mark.numpy())
 
 
 def write_file(path, tensors, variables, plan: str, *, base=None) -> dict[str, Any]:
@@ -120,4 +148,7 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
         apply_bound(bound)
     except WriteFailed as e:  # every element written so far was written back
         raise DeltaError(f"delta {path!r}: {e}; the base was restored.") from None
+    finally:
+        if any(b.entry.quantized for b in bound):  # a quantized kernel's delta came: the model computes anew
+            retrace(target)
     return {"variables": len(bound), "elements": sum(b.entry.elements for b in bound)}

@@ -22,6 +22,7 @@ from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile
 from finefreeze._resolve.fingerprint import block_hashes
 from finefreeze._resolve.targets import collect, match_path
+from finefreeze._slices.held import delta_elements, foreign_delta, hold_delta
 
 __all__ = ["Entry", "Bound", "digest", "read_entries", "bind", "encode"]
 
@@ -55,6 +56,9 @@ class Entry:
     index: np.ndarray | None
     values: np.ndarray | None
     checks: list[tuple[np.ndarray, str]]
+    # trained on a quantized base: the mode (int8, int4); ``values`` are then the kernel's float delta at
+    # ``index`` (its logical shape), and the checks digest its stored integers whole
+    quantized: str | None = None
 
     @property
     def elements(self) -> int:
@@ -84,7 +88,7 @@ def read_entries(path: str) -> dict[str, Entry]:
 
 def _entry(p: str, info: dict, tensors: dict) -> Entry:
     shape, dtype = tuple(int(n) for n in info["shape"]), np.dtype(info["dtype"])
-    size, kind = int(np.prod(shape, dtype=np.int64)), info["kind"]
+    size, kind, quantized = int(np.prod(shape, dtype=np.int64)), info["kind"], info.get("quantized")
     index = values = None
     if kind in ("trainable", "untrained"):
         values = tensors[p]
@@ -103,13 +107,13 @@ def _entry(p: str, info: dict, tensors: dict) -> Entry:
             (deltafile.decode_index(c["trained"], tensors, size) if c.get("trained") else _EMPTY, str(c["frozen"]))
             for c in info["checks"]
         ]
-    elif kind == "partial":
+    elif kind == "partial" and quantized is None:
         checks = [(index, str(info["frozen"]))]
-    elif kind == "frozen":
+    elif kind in ("frozen", "partial"):  # a quantized kernel: its integers, every one
         checks = [(_EMPTY, str(info["frozen"]))]
     else:
         checks = []
-    return Entry(p, kind, shape, dtype, index, values, checks)
+    return Entry(p, kind, shape, dtype, index, values, checks, None if quantized is None else str(quantized))
 
 
 @dataclasses.dataclass(eq=False)
@@ -141,10 +145,12 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
             raise DeltaError(f"{source}: {err}") from None
         if vi is None:
             raise DeltaError(f"{source}: the base has no variable {p!r} (shape {e.shape}).")
-        if tuple(vi.shape) != e.shape or np.dtype(vi.dtype) != e.dtype:
+        shape, dtype = tuple(vi.shape), vi.dtype
+        if vi.quantized != e.quantized:
+            raise DeltaError(f"{source}: {quantized_mismatch(p, vi.quantized, e.quantized)}")
+        if shape != e.shape or np.dtype(dtype) != e.dtype:
             raise DeltaError(
-                f"{source}: variable {p!r} is {tuple(vi.shape)} {vi.dtype} in the base but "
-                f"{e.shape} {e.dtype} in the delta."
+                f"{source}: variable {p!r} is {shape} {dtype} in the base but {e.shape} {e.dtype} in the delta."
             )
         if e.checks:
             base = read(vi.variable)  # a view of the buffer where the backend allows: no copy of the model
@@ -154,9 +160,57 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
                         f"{source}: the frozen part of {p!r} (shape {e.shape}) differs from the base the "
                         "delta was trained on (fingerprint mismatch); apply it to that base."
                     )
+        if e.quantized is not None and e.values is not None and foreign_delta(vi.owner, vi.variable, e.index):
+            raise DeltaError(
+                f"{source}: a live Freezer trains other elements of {p!r}'s float delta (it is quantized), and its "
+                "optimizer holds their state: load the delta into a base no Freezer trains (or make the Freezer "
+                "after loading it, with a plan that trains these elements too)."
+            )
         if e.values is not None:
-            bound.append(Bound(e, vi.variable))
+            bound.append(Bound(e, vi.variable) if e.quantized is None else QuantizedBound(e, vi.owner, vi.variable))
     return bound
+
+
+def quantized_mismatch(path: str, base: str | None, delta: str | None) -> str:
+    """Why a delta of a quantized (or float) kernel does not apply to a float (or quantized) one, and the fix."""
+    if delta is None:
+        return (
+            f"{path!r} is an {base}-quantized kernel in the base, and the delta was trained on its float values: a "
+            "delta cannot write float values into integers. Apply the delta to the float model, then quantize() it."
+        )
+    if base is None:
+        return (
+            f"the delta was made on a base whose {path!r} is {delta}-quantized, and this base holds it in float: a "
+            "quantized kernel's trained values are a float delta to its integers. Quantize the base the same way "
+            f"first (model.quantize({delta!r})), then apply it."
+        )
+    return f"{path!r} is {base}-quantized in the base but was {delta}-quantized when the delta was trained."
+
+
+class QuantizedBound:
+    """An entry of a quantized kernel, written into the kernel's float delta (made or widened on first use).
+
+    ``variable`` is the delta (:func:`finefreeze._slices.held.hold_delta`) and
+    ``entry`` the file's entry with its indices as places in the delta.
+    """
+
+    def __init__(self, entry: Entry, layer, kernel):
+        self._entry, self.layer, self.kernel = entry, layer, kernel
+
+    @property
+    def logical(self) -> np.ndarray:
+        """The flat indices of the entry's elements in the kernel's logical shape."""
+        return self._entry.index
+
+    @property
+    def variable(self):
+        return hold_delta(self.layer, self.kernel, self._entry.index)
+
+    @property
+    def entry(self) -> Entry:
+        have = delta_elements(self.layer, self.kernel)
+        places = np.arange(self._entry.index.size) if have is None else np.searchsorted(have, self._entry.index)
+        return dataclasses.replace(self._entry, index=places.astype(np.int64))
 
 
 def encode(entries: dict[str, Entry]) -> tuple[dict[str, np.ndarray], dict[str, dict]]:
@@ -165,12 +219,14 @@ def encode(entries: dict[str, Entry]) -> tuple[dict[str, np.ndarray], dict[str, 
     meta: dict[str, dict] = {}
     for p, e in entries.items():
         info: dict[str, Any] = {"shape": list(e.shape), "dtype": str(e.dtype), "kind": e.kind}
+        if e.quantized is not None:
+            info["quantized"] = e.quantized
         if e.kind in ("trainable", "untrained"):
             tensors[p] = e.values
         elif e.kind == "partial":
             tensors.update(deltafile.encode_index(p, e.index))
             tensors[f"{p}::values"] = e.values
-        own = {"partial": e.index, "frozen": _EMPTY}.get(e.kind)  # what "frozen" checks
+        own = {"partial": e.index if e.quantized is None else _EMPTY, "frozen": _EMPTY}.get(e.kind)  # "frozen" checks
         if len(e.checks) == 1 and own is not None and np.array_equal(e.checks[0][0], own):
             info["frozen"] = e.checks[0][1]  # the check of its own trained elements
         elif e.checks or e.kind in ("partial", "frozen"):

@@ -49,7 +49,7 @@ def _overlap(p: str, parts: list[tuple[str, Entry]]) -> None:
 def _merge_one(p: str, parts: list[tuple[str, Entry]]) -> Entry:
     first_name, first = parts[0]
     for name, e in parts[1:]:
-        if (e.shape, e.dtype) != (first.shape, first.dtype):
+        if (e.shape, e.dtype, e.quantized) != (first.shape, first.dtype, first.quantized):
             raise DeltaError(
                 f"merge_deltas: {p!r} is {first.shape} {first.dtype} in {first_name!r} but {e.shape} {e.dtype} in "
                 f"{name!r}: these deltas were trained from different bases."
@@ -73,13 +73,14 @@ def _merge_one(p: str, parts: list[tuple[str, Entry]]) -> Entry:
     full = [e for e in writers if e.kind in _FULL]
     if full:
         e = full[0]
-        return Entry(p, e.kind, e.shape, e.dtype, None, e.values, list(checks.values()))
+        return Entry(p, e.kind, e.shape, e.dtype, None, e.values, list(checks.values()), first.quantized)
     if writers:
         index = np.concatenate([e.index for e in writers])
         values = np.concatenate([e.values for e in writers])
         order = np.argsort(index, kind="stable")
-        return Entry(p, "partial", first.shape, first.dtype, index[order], values[order], list(checks.values()))
-    return Entry(p, "frozen", first.shape, first.dtype, None, None, list(checks.values()))
+        checked = list(checks.values())
+        return Entry(p, "partial", first.shape, first.dtype, index[order], values[order], checked, first.quantized)
+    return Entry(p, "frozen", first.shape, first.dtype, None, None, list(checks.values()), first.quantized)
 
 
 def merge_entries(named: list[tuple[str, dict[str, Entry]]]) -> dict[str, Entry]:

@@ -20,8 +20,9 @@ from finefreeze._backends.chosen import indexes_in_int64_only
 from finefreeze._backends.distribute import owner_scope
 from finefreeze._backends.elements import read_elements, write_elements
 from finefreeze._errors import DeltaError
-from finefreeze._files.entries import Bound, bind, digest, read_entries
+from finefreeze._files.entries import Bound, QuantizedBound, bind, digest, read_entries
 from finefreeze._resolve.targets import collect
+from finefreeze._slices.held import hold_delta, retrace
 
 __all__ = ["DeltaSwitch", "WriteFailed", "apply_bound"]
 
@@ -84,6 +85,23 @@ def apply_bound(bound: list[Bound], kept: list[np.ndarray] | None = None) -> lis
             _write_back(bound[: len(saved)], saved)
             raise
     return saved
+
+
+def _hold_deltas(deltas) -> bool:
+    """Give each quantized kernel the deltas write a float delta holding all their elements, now.
+
+    Made here, not at the first switch: a delta widened later would be a new
+    variable, and a step compiled before (a ``predict``) would not see it.
+    """
+    union: dict[int, tuple] = {}
+    for bound in deltas:
+        for b in bound:
+            if isinstance(b, QuantizedBound):
+                layer, kernel, have = union.get(id(b.kernel), (b.layer, b.kernel, np.zeros(0, np.int64)))
+                union[id(b.kernel)] = (layer, kernel, np.union1d(have, b.logical))
+    for layer, kernel, index in union.values():
+        hold_delta(layer, kernel, index)
+    return bool(union)
 
 
 def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
@@ -170,6 +188,8 @@ class DeltaSwitch:
                 raise DeltaError(f"delta {name!r}: {e}") from None
             self._deltas[name] = _narrow(bind(model, entries, f"delta {name!r} ({path!r})"))
             self._paths[name] = path
+        if _hold_deltas(self._deltas.values()):  # a quantized kernel's delta, for every delta's elements: made once
+            retrace(model)
         self._every_variable = [(vi.path, vi.variable) for vi in collect(model).variables]
         self._base = {p: digest(read_elements(v, None), None) for p, v in self._every_variable}
         self._active: str | None = None

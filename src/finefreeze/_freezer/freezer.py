@@ -18,10 +18,11 @@ from finefreeze._freezer.reload import Resumable
 from finefreeze._optimizer.wrapper import FreezingOptimizer, find_freezing_optimizer
 from finefreeze._plan.plan import Plan
 from finefreeze._report.state_size import describe
-from finefreeze._resolve.fingerprint import take
+from finefreeze._resolve.fingerprint import fingerprinted_items, take
 from finefreeze._resolve.resolve import PARTIAL, resolve
 from finefreeze._resolve.targets import collect
 from finefreeze._slices.calls import set_sliced
+from finefreeze._slices.held import refuse_requantized, retrace
 
 __all__ = ["GRADIENTS", "Freezer"]
 
@@ -176,9 +177,7 @@ class Freezer(Resumable, FreezerBase):
         return list(obj.trainable_variables) if isinstance(obj, keras.Model) else self.trainable_variables
 
     def _retrace(self) -> None:
-        obj = self._target.obj
-        if isinstance(obj, keras.Model) and getattr(obj, "train_function", None) is not None:
-            obj.make_train_function(force=True)
+        retrace(self._target.obj)
 
     def _optimizers(self) -> list[FreezingOptimizer]:
         """The live ``FreezingOptimizer`` s of this Freezer: those it wrapped, and one compiled into a loaded model.
@@ -297,7 +296,7 @@ class Freezer(Resumable, FreezerBase):
         return int(to_numpy(opts[0].iterations)) if opts else 0
 
     def _take_fingerprint(self):
-        return take((s.path, s.variable, s.info.shape, s.mask) for s in self._fingerprinted())
+        return take(fingerprinted_items(self._fingerprinted()))
 
     def verify(self, reference: Any = None) -> None:
         """Check that every frozen element is bit-identical to freeze time.
@@ -359,6 +358,7 @@ class Freezer(Resumable, FreezerBase):
             self._update(plan)
         warn_switched_on(self._target, self._res)
         warn_switched_off(self._res)
+        refuse_requantized(self._res)
         variables = [vi.variable for vi in self._target.variables]
         check_scope(variables, "the FreezingOptimizer")
         check_optimizer(optimizer, variables, "Freezer.wrap")

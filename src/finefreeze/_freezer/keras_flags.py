@@ -190,7 +190,9 @@ def set_flags(target, res) -> bool:
             if layer.trainable != want:
                 layer.trainable, changed = want, True
     for s in res.states:
-        if s.info.is_keras and s.state != UNTRAINED:
+        if (
+            s.info.is_keras and s.state != UNTRAINED and s.info.quantized is None
+        ):  # a quantized kernel: its delta trains
             want = s.state != FROZEN
             if s.variable.trainable != want:
                 s.variable.trainable, changed = want, True

@@ -17,7 +17,7 @@ import warnings
 from finefreeze._backends.chosen import trainer_pairs_by_position
 from finefreeze._errors import FreezeWarning, PlanError
 from finefreeze._resolve.resolve import PARTIAL, TRAINABLE
-from finefreeze._resolve.standins import is_standin
+from finefreeze._resolve.standins import is_standin, kernel_of
 from finefreeze._resolve.targets import var_path
 
 __all__ = [
@@ -37,6 +37,7 @@ def trains_outside(state, var_list) -> list[str]:
     if res is None:
         return []
     given = {id(v) for v in var_list} | {id(getattr(v, "value", v)) for v in var_list}
+    given |= {id(kernel_of(v)) for v in var_list if kernel_of(v) is not None}  # a quantized kernel: its delta
     return [s.path for s in res.trainable_states if id(s.variable) not in given and id(s.info.raw) not in given]
 
 

@@ -18,6 +18,7 @@ import keras
 
 from finefreeze._backends.distribute import check_cross_replica, check_optimizer
 from finefreeze._backends.variables import build_scope, own_buffers, write_all
+from finefreeze._enforce.enforcer import delta_kernels
 from finefreeze._enforce.layout import Layout
 from finefreeze._enforce.policy import refuse_nan, warn_inexact_mask
 from finefreeze._errors import PlanError
@@ -276,10 +277,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
-                raise ValueError(
-                    "FreezingOptimizer.apply(grads) without variables needs a built "
-                    "optimizer; pass the variables (or call build) first."
-                )
+                raise ValueError("FreezingOptimizer.apply(grads) without variables needs a built optimizer.")
             trainable_variables = built_on(self)
         trainable_variables = list(trainable_variables)
         if len(grads) != len(trainable_variables):
@@ -298,7 +296,8 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         to_standins = {
             id(enf.by_standin[id(v)]): g for g, v in zip(grads, trainable_variables) if id(v) in enf.by_standin
         }
-        for g, v in zip(grads, trainable_variables):
+        # a quantized kernel is not Keras' to train: its delta (a stand-in) is; the kernel's enforcer applies it
+        for g, v in [*zip(grads, trainable_variables), *((None, k) for k in delta_kernels(enf, trainable_variables))]:
             if id(v) in enf.frozen_ids or id(v) in enf.by_standin:
                 continue
             e = enf.by_id.get(id(v))

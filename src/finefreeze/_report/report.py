@@ -80,6 +80,8 @@ def _variable_row(frz, s, plan, slots, words) -> dict:
         "state": s.state,
         "strategy": strategy,
         "gradient": _gradient(s) if s.state in (PARTIAL, TRAINABLE) else None,
+        # a quantized kernel (int8, int4): the logical shape above; what trains of it is a float delta beside it
+        "quantized": s.info.quantized,
         "lr_scale": s.lr_scale,
         "adam_state_elements": adam,
         "optimizer_state_elements": adam // 2 * (2 if slots is None else slots),
@@ -243,7 +245,8 @@ def _summary_rows(rep: dict, variables: bool) -> list[tuple]:
             )
         )
         for v in own if variables else ():
-            tag = ", ".join(t for t in (v["strategy"], v["gradient"] if v["gradient"] in _OWN else None) if t)
+            delta = f"{v['quantized']} + float delta" if v.get("quantized") and v["state"] != "frozen" else None
+            tag = ", ".join(t for t in (v["strategy"], v["gradient"] if v["gradient"] in _OWN else None, delta) if t)
             rows.append(
                 (
                     "  " + _shorten(v["path"].rsplit("/", 1)[-1], _NAME_WIDTH - 2, middle=True),

@@ -17,9 +17,10 @@ from finefreeze._backends.arrays import to_numpy
 from finefreeze._backends.distribute import replica_values
 from finefreeze._backends.read import read
 from finefreeze._errors import FrozenValueChanged, PlanError
-from finefreeze._resolve.targets import match_path
+from finefreeze._keras.quantized import quantized_values
+from finefreeze._resolve.targets import match_path, var_path
 
-__all__ = ["Fingerprint", "take", "BLOCK"]
+__all__ = ["Fingerprint", "fingerprinted_items", "take", "BLOCK"]
 
 BLOCK = 256
 _CHUNK_BLOCKS = 4096
@@ -159,6 +160,23 @@ def _describe(diff, shape, n_blocks) -> str:
         f"changed in {diff.size} of {n_blocks} blocks of {BLOCK} elements; first "
         f"changed elements within {', '.join(parts)}{more} (shape {tuple(shape)})"
     )
+
+
+def fingerprinted_items(states) -> list[tuple]:
+    """The :func:`take` items of ``states``: a quantized kernel's stored integers, scales and zero points whole.
+
+    What trains of a quantized kernel is a float delta beside it: every byte
+    Keras stores for it stays as it was.
+    """
+    items = []
+    for s in states:
+        if s.info.quantized is None:
+            items.append((s.path, s.variable, s.info.shape, s.mask))
+            continue
+        for v in quantized_values(s.info.owner):
+            path = s.path if v is s.variable else var_path(v)
+            items.append((path, v, tuple(int(d) for d in v.shape), None))
+    return items
 
 
 def take(items) -> Fingerprint:

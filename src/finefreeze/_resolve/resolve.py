@@ -190,12 +190,15 @@ def _element_selection(i: int, rule: Rule, vi: VarInfo, cache: dict | None = Non
     return sel
 
 
-def resolve(plan: Plan, target: Target) -> Resolution:
+def resolve(plan: Plan, target: Target, *, selecting: bool = False) -> Resolution:
     """Resolve ``plan`` against ``target``.
+
+    ``selecting``: the plan only names elements (``select``'s ``include`` and
+    ``exclude``), it trains nothing: a quantized kernel may be named whole.
 
     Raises:
         PlanError: a rule selects nothing (strict), element pickers do not fit,
-            or nothing is left to train.
+            a quantized kernel would train whole, or nothing is left to train.
     """
     rules = plan.all_rules  # the plan's rules, then the one its batchnorm option adds
     n_rules = len(rules)
@@ -230,6 +233,13 @@ def resolve(plan: Plan, target: Target) -> Resolution:
             dec[sel] = i + 1
         # no rule: Keras' state, which is frozen for a variable a library switched off (LoRA's base kernel)
         states.append(_state(vi, uniform, dec, _off(freezes) if vi.switched_off else freezes, scales))
+        if vi.quantized is not None and states[-1].state == TRAINABLE and not selecting:
+            raise PlanError(
+                f"the plan trains every element of {vi.path!r}, an {vi.quantized}-quantized kernel of logical shape "
+                f"{vi.shape}: its float delta would be as large as the float kernel. Train a part of it (rows=, "
+                f"columns=, heads=, an index, a mask or select), freeze it (ff.freeze({vi.path!r}) after broader "
+                "train rules), or train LoRA on it."
+            )
     _check_hits(plan, target, hits, untrained_hits)
     if not any(s.state in (TRAINABLE, PARTIAL) for s in states):
         raise PlanError(

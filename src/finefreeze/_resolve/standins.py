@@ -111,23 +111,32 @@ class TrainedElements(keras.layers.Layer):
         name: the layer's name.
         index: the flat indices the sampled product reads (``trained``
             padded to its chunks), or None.
+        delta: a quantized kernel's: the dtype of the float delta it holds
+            instead of the trained elements' values (zero at first).
     """
 
-    def __init__(self, variable, trained: np.ndarray, name: str, index: np.ndarray | None = None):
-        super().__init__(name=name, trainable=True, dtype=variable.dtype)
-        with eager_scope():
-            values = np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[trained]
+    def __init__(
+        self, variable, trained: np.ndarray, name: str, index: np.ndarray | None = None, delta: str | None = None
+    ):
+        dtype = delta or variable.dtype
+        super().__init__(name=name, trainable=True, dtype=dtype)
+        if delta is not None:  # a quantized kernel's trained part: a float delta, zero at first
+            values = np.zeros(len(trained), dtype=keras.backend.standardize_dtype(dtype))
+        else:
+            with eager_scope():
+                values = np.asarray(keras.ops.convert_to_numpy(variable)).reshape(-1)[trained]
         self._of = weakref.ref(variable)  # a weak reference: Keras would track a variable as this layer's own
+        self.delta = delta is not None
         self.values = self.add_weight(
             shape=values.shape,
-            dtype=variable.dtype,
+            dtype=dtype,
             initializer=host_initializer(values),
             trainable=True,
             name="values",
         )
         self.index = None
         if index is not None:
-            size = int(np.prod(variable.shape, dtype=np.int64))
+            size = max(int(np.prod(variable.shape, dtype=np.int64)), int(trained[-1]) + 1 if len(trained) else 0)
             flat = np.asarray(index).astype(np.int32 if size <= np.iinfo(np.int32).max + 1 else np.int64)
             self.index = self.add_weight(
                 shape=flat.shape,
@@ -157,13 +166,18 @@ def is_standin_layer(layer) -> bool:
     return isinstance(layer, TrainedElements)
 
 
-def attach(layer, variable, trained: np.ndarray, index: np.ndarray | None = None) -> TrainedElements:
-    """A stand-in of ``variable``'s trained elements, held by ``layer`` (made in the variable's distribution scope)."""
+def attach(
+    layer, variable, trained: np.ndarray, index: np.ndarray | None = None, delta: str | None = None
+) -> TrainedElements:
+    """A stand-in of ``variable``'s trained elements, held by ``layer`` (made in the variable's distribution scope).
+
+    ``delta``: a quantized kernel's stand-in, a float delta of this dtype (see :class:`TrainedElements`).
+    """
     name = f"{variable.name}_trained"
     with owner_scope([variable]), contextlib.ExitStack() as scopes:
         for part in layer.path.split("/"):  # its path is the layer's: ``layer/kernel_trained/values``
             scopes.enter_context(keras.name_scope(part))
-        holder = TrainedElements(variable, np.asarray(trained, dtype=np.int64), name=name, index=index)
+        holder = TrainedElements(variable, np.asarray(trained, dtype=np.int64), name=name, index=index, delta=delta)
     add_sublayer(layer, holder)
     return holder
 

@@ -22,6 +22,7 @@ from finefreeze._keras.layers import (
     own_weights,
     sublayers,
 )
+from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
 from finefreeze._resolve.standins import is_standin_layer
 
@@ -98,6 +99,9 @@ class VarInfo:
     base_trainable: bool  # a plan target: Keras trains it, or a library switched it off (switched_off)
     is_keras: bool
     switched_off: bool = False  # Keras does not train it now, but it is no statistic: a LoRA base kernel
+    # the quantization mode of a quantized kernel (int8, int4): ``shape`` is the float kernel's, and what trains
+    # of it is a float delta beside it (``_slices.quantized``); None for every other variable
+    quantized: str | None = None
 
     @property
     def size(self) -> int:
@@ -107,7 +111,17 @@ class VarInfo:
         return n
 
     def numpy(self):
-        """The variable's current value as a numpy array (``where=`` reads it)."""
+        """The variable's current value as a numpy array (``where=`` reads it).
+
+        Raises:
+            PlanError: a quantized kernel (its stored integers are not its values).
+        """
+        if self.quantized is not None:
+            raise PlanError(
+                f"{self.path!r} is an {self.quantized}-quantized kernel (logical shape {self.shape}): a mask made from "
+                "its values (where=) cannot read them as floats. Make the mask on the float model before "
+                "quantize() (the same plan applies after it), or give indices, fractions or a mask array."
+            )
         return read(self.variable)
 
 
@@ -222,6 +236,11 @@ def _collect_keras(root) -> Target:
             path = var_path(v)
             made_trainable = any(v is w for w in weights)  # a weight, not a statistic or a seed
             off = not base_trainable(v) and (_lora_base(layer, v) or (lora_root and made_trainable))
+            mode = is_quantized(layer) if v is kernel_variable(layer) or v is embeddings_variable(layer) else None
+            if mode in QUANTIZED_KINDS:  # a plan addresses it by the float kernel's shape and trains a delta
+                shape, dtype, off = logical_shape(layer), layer.variable_dtype, True
+            else:
+                mode = None
             infos.append(
                 VarInfo(
                     path=path,
@@ -234,6 +253,7 @@ def _collect_keras(root) -> Target:
                     base_trainable=root_trainable and (base_trainable(v) or off),
                     is_keras=True,
                     switched_off=off,
+                    quantized=mode,
                 )
             )
         for sub in sublayers(layer):

@@ -98,7 +98,7 @@ def _selected(selectors, target, what: str) -> dict[str, np.ndarray]:
         return {}
     sels = selectors if isinstance(selectors, (list, tuple)) else [selectors]
     try:
-        res = resolve(Plan([freeze("**")] + [train(s) for s in sels]), target)
+        res = resolve(Plan([freeze("**")] + [train(s) for s in sels]), target, selecting=True)
     except PlanError as e:
         raise PlanError(f"select: {what}= {e}") from None
     return {s.path: ~s.frozen_mask() for s in res.states if s.state not in (UNTRAINED, FROZEN)}
@@ -271,6 +271,13 @@ def _candidates(model, include, exclude) -> tuple[list, list[np.ndarray]]:
     for vi in target.variables:
         if not vi.base_trainable:
             continue
+        if vi.quantized is not None:
+            raise PlanError(
+                f"select: {vi.path!r} is an {vi.quantized}-quantized kernel (logical shape {vi.shape}): select "
+                "scores elements by their float gradients, which integers do not have (and Keras' quantized calls "
+                "take no per-example gradient on every backend). Select on the float model before quantize(): "
+                "the plan it returns applies after it."
+            )
         m = np.ones(vi.shape, bool)
         for d in (inc, exc):
             if vi.path in d:

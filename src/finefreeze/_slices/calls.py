@@ -30,12 +30,14 @@ import numpy as np
 from keras import ops
 
 from finefreeze._backends.chosen import lookups_are_sparse
+from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value
 from finefreeze._keras.layers import causal_padding, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
-from finefreeze._slices.choose import MARK, SAMPLED_KINDS, KernelSlice, choose
+from finefreeze._slices.choose import MARK, SAMPLED_KINDS, KernelSlice, choose, quantized
 from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
+from finefreeze._slices.quantized import carry, delta_call, delta_kept
 from finefreeze._slices.sampled import Sampled, TableElements, padded_index
 
 __all__ = ["set_sliced"]
@@ -65,6 +67,8 @@ class _Mark:
     eligible: bool = True
     holder: Any = None  # the stand-in's layer (eligible slices): the trained elements' variable
     trained: bytes = b""  # the trained elements (flat indices), to tell a new stand-in from the one in place
+    quantized: bool = False  # the kernel is quantized: the stand-in is a delta the call always adds
+    index: Any = None  # a quantized kernel's: the sorted flat indices of the delta's elements (numpy)
 
     @property
     def standin(self):
@@ -77,6 +81,8 @@ class _Mark:
 
     def now(self) -> bool:
         """Whether the call hands the trained elements' gradient to the stand-in, were it traced now."""
+        if self.quantized:  # the delta is the model's, whichever Freezer set it
+            return self.holder is not None
         return self.sliced and self.holder is not None and self.live()
 
 
@@ -107,7 +113,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
         if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
             frozen = s.mask.dense()
             ks, eligible = choose(s.info.owner, s.variable, frozen, mode)
-            on = eligible and not (mode == "auto" and s.path in held)
+            on = eligible and (s.info.quantized is not None or not (mode == "auto" and s.path in held))
             old = marks.get(id(s.info.owner))
             if mode == "auto" and often and on and old is not None and old.sliced and old.variable is s.variable:
                 if old.slice.key != ks.key:  # the slice moved and will move again: the dense path from now on
@@ -123,7 +129,14 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
         gc.collect()  # a Freezer dropped in a reference cycle is not another plan
     for layer in layers:  # another live Freezer plans this layer: which plan's optimizer trains is not known
         if len(_claims(layer)) > 1:
+            if id(layer) in want and quantized(layer, want[id(layer)][2]):
+                raise PlanError(
+                    f"two live Freezers plan {layer.path!r}, whose kernel is quantized: what trains of it is one "
+                    "float delta beside the integers, which one plan's optimizer owns. Plan it in one Freezer "
+                    "(drop the other: del frz; or freeze the kernel in its plan)."
+                )
             want.pop(id(layer), None)
+    carried = {id(layer): delta_kept(layer, want.get(id(layer))) for layer in layers}  # refuses before any change
     changed = False
     for layer in layers:
         mark = instance_value(layer, MARK, None)
@@ -136,6 +149,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
             changed = True
         if new is not None:
             _give_call(layer, *new[1:], owner=owner, model_of=target.obj)
+            carry(layer, carried.get(id(layer)))
             changed = True
     return changed
 
@@ -154,7 +168,7 @@ def _same(mark, new) -> bool:
 
 
 def _take_call(layer, mark) -> None:
-    remove_instance_value(layer, "call")
+    remove_instance_value(layer, "quantized_call" if mark.quantized else "call")
     remove_instance_value(layer, MARK)
     if mark.holder is not None:
         detach(layer, mark.holder)
@@ -178,11 +192,16 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
         taken = TableElements(ks.shape, trained)
     else:
         taken = Taken(ks.shape, ks.index, ks.x_axis, ks.y_axis, frozen)
+    q = quantized(layer, variable)
     # a stand-in while the layer slices; a kernel held dense (its slice moves often) changes elements without one
-    holder = attach(layer, variable, trained, index=reads) if on else None
-    mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen))
+    delta = layer.variable_dtype if q else None  # a quantized kernel's: a float delta, zero at first
+    holder = attach(layer, variable, trained, index=reads, delta=delta) if on else None
+    mark = _Mark(ks, variable, weakref.ref(owner), on, _claims(layer), eligible, holder, _trained_key(frozen), q)
+    mark.index = trained if q else None
     plain = type(layer).call.__get__(layer)
-    if holder is not None:  # the stand-in goes with the Freezer: the model keeps no variable it would not train
+    if (
+        holder is not None and not q
+    ):  # the stand-in goes with the Freezer: the model keeps no variable it would not train
         weakref.finalize(owner, detach, layer, holder)
 
     def now() -> bool:
@@ -193,6 +212,12 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
 
     index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind in SAMPLED_KINDS else (lambda: None)
 
+    if q:  # Keras runs quantized_call: Keras' product of the integers, plus the delta's
+        product = _product(layer, ks)
+        call = delta_call(layer, ks, taken, product, standin, index, _bias_and_activation)
+        set_instance_value(layer, "quantized_call", call)
+        set_instance_value(layer, MARK, mark)
+        return
     if ks.kind in ("rows", "table elements"):
         call = _lookup_call(layer, ks, plain, taken, mark, frozen, now, standin, index)
     elif ks.kind in ("dense", "einsum", "sampled"):
@@ -203,14 +228,20 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     set_instance_value(layer, MARK, mark)
 
 
+def _product(layer, ks: KernelSlice):
+    """The product ``(x, kernel) -> y`` of a ``Dense`` (a matmul) or ``EinsumDense`` (its equation)."""
+    if ks.kind in ("dense", "sampled") and not isinstance(layer, keras.layers.EinsumDense):
+        return ops.matmul
+
+    def product(a, k):
+        return ops.einsum(layer.equation, a, k)
+
+    return product
+
+
 def _product_call(layer, ks: KernelSlice, plain, taken, now, standin, index):
     """The call of a ``Dense`` or ``EinsumDense`` whose trained elements get their own gradient."""
-    if ks.kind in ("dense", "sampled") and not isinstance(layer, keras.layers.EinsumDense):
-        product = ops.matmul
-    else:
-
-        def product(a, k):
-            return ops.einsum(layer.equation, a, k)
+    product = _product(layer, ks)
 
     def call(inputs, training=None):
         if not now():

@@ -30,6 +30,11 @@ of its own keeps the dense path), without LoRA or quantization, not made
 in a ``keras.RematScope`` (Keras' rematerialized call loses a stand-in's
 gradient: on JAX nothing trained), and convolutions with ``groups=1``.
 
+A kernel Keras quantized (``int8``, ``int4``) has no dense path: what
+trains of it is a float delta of its trained elements beside the integers
+(``_slices.quantized``), always on its block or its elements, whatever
+the gradients mode.
+
 Example:
     >>> import keras, numpy as np
     >>> from finefreeze._slices.choose import kernel_slice
@@ -50,6 +55,7 @@ import numpy as np
 from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, MEMORY_AT, auto_pays, auto_samples
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable, rematerialized
+from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape
 from finefreeze._resolve.axes import einsum_axes
 
 __all__ = [
@@ -63,8 +69,10 @@ __all__ = [
     "exact_block",
     "choose",
     "kernel_sample",
+    "kernel_shape",
     "kernel_slice",
     "pays",
+    "quantized",
     "slice_eligible",
     "sampled_equation",
     "sliced_gradient",
@@ -121,13 +129,29 @@ class KernelSlice:
         return (self.kind, self.shape) + tuple(None if i is None else i.tobytes() for i in self.index)
 
 
+def quantized(layer, variable) -> bool:
+    """Whether ``variable`` is the kernel (or table) of a layer Keras quantized to a mode a plan may train a part of."""
+    own = kernel_variable(layer) is variable or embeddings_variable(layer) is variable
+    return own and is_quantized(layer) in QUANTIZED_KINDS
+
+
+def kernel_shape(layer, variable) -> tuple[int, ...]:
+    """The kernel's shape as plans see it: a quantized kernel's float shape, whatever its packing."""
+    if quantized(layer, variable):
+        return logical_shape(layer)
+    return tuple(int(d) for d in variable.shape)
+
+
 def _geometry(layer, variable):
     """``(kind, x_axis, y_axis)`` of a kernel whose layer can be sliced, else None."""
-    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
+    mode = getattr(layer, "quantization_mode", None)
+    if mode is not None and not quantized(layer, variable):
+        return None
+    if getattr(layer, "lora_enabled", False) and mode is None:
         return None
     if rematerialized(layer):  # Keras' checkpointed call does not hand a stand-in its gradient (JAX: none at all)
         return None
-    call, rank = type(layer).call, len(variable.shape)
+    call, rank = type(layer).call, len(kernel_shape(layer, variable))
     lookups = (keras.layers.Embedding.call, getattr(getattr(keras.layers, "ReversibleEmbedding", None), "call", None))
     if call in lookups and embeddings_variable(layer) is variable and rank == 2:
         return "rows", (0, None), (None, None)  # rows looked up by the ids, each whole
@@ -145,17 +169,18 @@ def _geometry(layer, variable):
     return None
 
 
-def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
+def kernel_slice(layer, variable, frozen: np.ndarray, at_most: float = SLICE_AT_MOST) -> KernelSlice | None:
     """The block of ``variable`` (a kernel of ``layer``) that holds its trained elements, when slicing pays.
 
     Args:
         layer: the variable's owner.
         variable: the kernel.
         frozen: its frozen-element mask (True = frozen).
+        at_most: the largest fraction of the kernel the block may be (1: any block, the whole kernel too).
 
     Returns:
         The :class:`KernelSlice`, or None: not a kernel finefreeze slices, or
-        the block is more than :data:`SLICE_AT_MOST` of the kernel.
+        the block is more than ``at_most`` of the kernel.
     """
     geometry = _geometry(layer, variable)
     if geometry is None:
@@ -170,13 +195,13 @@ def kernel_slice(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
         along = trained.any(axis=tuple(a for a in range(trained.ndim) if a != axis))
         idx = np.flatnonzero(along).astype(np.int32)
         index.append(None if len(idx) == len(along) else idx)
-    if all(i is None for i in index):
+    if all(i is None for i in index) and at_most < 1:
         return None
-    s = KernelSlice(kind, tuple(int(d) for d in variable.shape), tuple(index), x_axis, y_axis)
-    return s if 0 < s.fraction <= SLICE_AT_MOST else None
+    s = KernelSlice(kind, kernel_shape(layer, variable), tuple(index), x_axis, y_axis)
+    return s if 0 < s.fraction <= at_most else None
 
 
-def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
+def kernel_sample(layer, variable, frozen: np.ndarray, at_most: float = SAMPLE_AT_MOST) -> KernelSlice | None:
     """The trained elements of a ``Dense`` or ``EinsumDense`` kernel or an embedding's table, at most
     :data:`SAMPLE_AT_MOST` of it, for the gradient of those elements alone.
 
@@ -192,6 +217,7 @@ def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
         layer: the variable's owner.
         variable: the kernel.
         frozen: its frozen-element mask (True = frozen).
+        at_most: the largest fraction of the kernel its trained elements may be.
 
     Returns:
         A ``"sampled"`` (or ``"table elements"``) :class:`KernelSlice`
@@ -206,11 +232,11 @@ def kernel_sample(layer, variable, frozen: np.ndarray) -> KernelSlice | None:
         return None
     frozen = np.asarray(frozen, dtype=bool)
     n = frozen.size - int(np.count_nonzero(frozen))  # no copy of the mask: most kernels are not sampled
-    if n == 0 or n > SAMPLE_AT_MOST * frozen.size:
+    if n == 0 or n > at_most * frozen.size:
         return None
     flat = np.flatnonzero(~frozen.reshape(-1)).astype(np.int64)
     kind = "table elements" if geometry[0] == "rows" else "sampled"
-    return KernelSlice(kind, tuple(int(d) for d in variable.shape), (flat,), *geometry[1:])
+    return KernelSlice(kind, kernel_shape(layer, variable), (flat,), *geometry[1:])
 
 
 def sampled_equation(equation: str) -> bool:
@@ -238,6 +264,8 @@ def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None =
     block is then still returned: TensorFlow reads an embedding's table by
     rows on every mode).
     """
+    if quantized(layer, variable):  # no dense path: what trains is a float delta beside the integers
+        return _quantized_choice(layer, variable, frozen)
     ks = kernel_slice(layer, variable, frozen)
     if mode == "dense":
         return ks, False
@@ -252,6 +280,16 @@ def choose(layer, variable, frozen: np.ndarray, mode: str, backend: str | None =
         if block is None or sample.fraction / crossover < block.fraction:
             return sample, True
     return (block, True) if block is not None else (ks, False)
+
+
+def _quantized_choice(layer, variable, frozen: np.ndarray):
+    """A quantized kernel's delta: its block when the trained elements fill it or it is small, else the elements."""
+    ks = kernel_slice(layer, variable, frozen, at_most=1.0)
+    n = frozen.size - int(np.count_nonzero(frozen))
+    sample = kernel_sample(layer, variable, frozen, at_most=1.0)
+    if ks is not None and (ks.kind == "rows" or ks.size == n or ks.fraction <= SLICE_AT_MOST or sample is None):
+        return ks, True
+    return (sample, True) if sample is not None else (ks, ks is not None)
 
 
 def pays(s: KernelSlice, backend: str | None = None) -> bool:

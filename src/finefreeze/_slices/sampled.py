@@ -161,16 +161,20 @@ class Sampled:
 
         return ravel(self.xk), ravel(self.yk)
 
-    def _as_columns(self, t, spec: str, kernel_letters: list[str], width: int):
-        """``t`` (with einsum letters ``spec``) as ``(N, width)``: its other axes first, then ``kernel_letters``."""
+    def permutation(self, rank: int, spec: str, kernel_letters: list[str]) -> list[int]:
+        """The axes of a ``rank``-axis tensor with einsum letters ``spec`` in :meth:`_as_columns`' order."""
         if "..." in spec:
             pre, post = spec.split("...")
-            free = [f"_{i}" for i in range(len(t.shape) - len(pre) - len(post))]
+            free = [f"_{i}" for i in range(rank - len(pre) - len(post))]
             letters = list(pre) + free + list(post)
         else:
             letters = list(spec)
         batch = sorted((c for c in letters if c not in self.k_spec), key=self._batch_order)
-        perm = [letters.index(c) for c in batch + kernel_letters]
+        return [letters.index(c) for c in batch + kernel_letters]
+
+    def _as_columns(self, t, spec: str, kernel_letters: list[str], width: int):
+        """``t`` (with einsum letters ``spec``) as ``(N, width)``: its other axes first, then ``kernel_letters``."""
+        perm = self.permutation(len(t.shape), spec, kernel_letters)
         if perm != list(range(len(perm))):
             t = ops.transpose(t, perm)
         return ops.reshape(t, (-1, width))

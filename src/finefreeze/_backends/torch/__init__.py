@@ -164,6 +164,15 @@ def rows_gradient(taken, segment, dy):
     return taken.trained(rows)
 
 
+def add_rows(rows, at, count: int):
+    """``functional.add_rows`` with ``index_add_``: Keras' ``segment_sum`` widens the indices to ``rows``' shape."""
+    import torch
+
+    rows = keras.ops.convert_to_tensor(rows)
+    out = torch.zeros((count, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    return out.index_add_(0, keras.ops.convert_to_tensor(at).long(), rows)
+
+
 def transposed(t):
     """The transpose of ``t`` copied row-contiguous: ``t.T`` is a view, whose rows a gather would read strided."""
     return keras.ops.convert_to_tensor(t).T.contiguous()
