@@ -297,27 +297,31 @@ def make_enforcers(add_variable, layout, var_list, saved: bool) -> tuple[list[En
     return ordered, frozen
 
 
+def _missing_kernels(var_list, kernel_of_delta) -> list:
+    """The quantized kernels whose deltas are in ``var_list`` (``kernel_of_delta(v)``: None for others) and they not."""
+    given, out = {id(v) for v in var_list}, []
+    for v in var_list:
+        kernel = kernel_of_delta(v)
+        if kernel is not None and id(kernel) not in given:
+            given.add(id(kernel))
+            out.append(kernel)
+    return out
+
+
 def with_delta_kernels(layout, var_list) -> list:
     """``var_list`` and the quantized kernels whose deltas are in it (Keras trains the delta, not the integers)."""
-    out, ids = list(var_list), {id(v) for v in var_list}
-    for v in var_list:
-        e = layout.standins().get(id(v))
-        kernel = kernel_of(v) if e is not None and e.delta else None
-        if kernel is not None and id(kernel) not in ids:
-            out.append(kernel)
-            ids.add(id(kernel))
-    return out
+    deltas = {k for k, e in layout.standins().items() if e.delta}
+    return list(var_list) + _missing_kernels(var_list, lambda v: kernel_of(v) if id(v) in deltas else None)
 
 
 def delta_kernels(enforcers: Enforcers, var_list) -> list:
     """The quantized kernels whose deltas are in ``var_list`` and which are not (Keras trains the delta only)."""
-    given = {id(v) for v in var_list}
-    out = []
-    for v in var_list:
+
+    def kernel(v):
         e = enforcers.by_standin.get(id(v))
-        if e is not None and e.delta and id(e.variable) not in given:
-            out.append(e.variable)
-    return out
+        return e.variable if e is not None and e.delta else None
+
+    return _missing_kernels(var_list, kernel)
 
 
 def decay_compact_like_its_variable(inner, enforcers: Enforcers) -> None:

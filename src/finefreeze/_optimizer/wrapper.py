@@ -277,7 +277,7 @@ class FreezingOptimizer(SettingsGoInside, keras.optimizers.Optimizer):
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
-                raise ValueError("FreezingOptimizer.apply(grads) without variables needs a built optimizer.")
+                raise ValueError("FreezingOptimizer.apply(grads) without variables needs a built optimizer: pass them.")
             trainable_variables = built_on(self)
         trainable_variables = list(trainable_variables)
         if len(grads) != len(trainable_variables):
