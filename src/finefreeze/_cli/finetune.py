@@ -25,6 +25,7 @@ from finefreeze._cli.checks import OUTPUTS, RESUME, check_finetune, done_epochs,
 from finefreeze._cli.epochs import plain, seed_states, shuffled
 from finefreeze._cli.inputs import data_kind, load_plan, training_inputs
 from finefreeze._cli.presets import is_causal_preset
+from finefreeze._cli.quantize import quantize_base
 from finefreeze._files.atomic import Staging, Terminated, UserError, check_interrupt, interrupted
 from finefreeze._files.delta import save_delta
 from finefreeze._keras.instances import tag
@@ -82,6 +83,7 @@ class Result:
     metric: dict
     base: str = ""  # the base to verify against and rebuild from
     sample: dict | None = None  # a causal LM's greedy text from one prompt, before and after
+    quantized: str | None = None  # the mode the base was quantized to (--quantize)
 
     def line(self) -> str:
         ok = "verify OK (every frozen element bit-identical)" if self.verified else "verify FAILED"
@@ -102,7 +104,12 @@ class Result:
             shlex.quote(os.path.join(out, "tuned.keras")),
             shlex.quote(os.path.join(out, "delta.safetensors")),
         )
-        return f". Check: finefreeze verify {base} {tuned}; rebuild: finefreeze delta apply {base} {delta}"
+        check = f". Check: finefreeze verify {base} {tuned}"
+        if self.quantized is None:
+            return f"{check}; rebuild: finefreeze delta apply {base} {delta}"
+        if self.sample is None:  # a quantized kernel's float delta lives beside the integers, not in a .keras file
+            return f"{check}; the delta applies to the base quantized to {self.quantized} (ff.load_delta)"
+        return f"{check}; generate: finefreeze generate {base} {shlex.quote(self.sample['prompt'])} --delta {delta}"
 
 
 def _short(path: str) -> str:
@@ -149,6 +156,7 @@ def finetune(
     resume: bool = False,
     sequence_length: int = 128,
     prompt: str | None = None,
+    quantize: str | None = None,
 ) -> Result:
     """Fine-tune under a plan; write the model, delta, report, TensorBoard log and picture.
 
@@ -169,12 +177,18 @@ def finetune(
     default plan; the metric is the validation perplexity, and the report
     holds greedy text from ``prompt`` (default: the first words of the first
     validation example) before and after.
+
+    ``quantize`` (``"int8"``, ``"int4"``) quantizes the base with Keras before
+    the plan applies (:func:`~finefreeze._cli.quantize.quantize_base`): what
+    the plan trains of a quantized kernel is a float delta beside its
+    integers, written to the delta file (``tuned.keras`` holds the quantized
+    base and the float weights that trained).
     """
     from finefreeze._report.events import require_tensorboard
 
     settings = check_finetune(
         model_path, data=data, plan=plan, optimizer=optimizer, lr=lr, epochs=epochs, batch_size=batch_size,
-        strategy=strategy, out=out, force=force, resume=resume, sequence_length=sequence_length,
+        strategy=strategy, out=out, force=force, resume=resume, sequence_length=sequence_length, quantize=quantize,
     )  # fmt: skip
     require_tensorboard("finefreeze finetune")
     causal = plan is None and is_causal_preset(model_path)  # its default plan is made from the loaded model
@@ -198,7 +212,7 @@ def finetune(
             result = _run(
                 stage,
                 point,
-                (model_path, data, sequence_length, prompt),
+                (model_path, data, sequence_length, prompt, quantize),
                 the_plan,
                 optimizer,
                 lr,
@@ -254,13 +268,16 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     """Build, train, verify and write one run into ``stage``; its :class:`Result`."""
     import finefreeze as ff
 
-    model_path, data, sequence_length, prompt = inputs
+    model_path, data, sequence_length, prompt, quantize = inputs
     opt = _optimizer(optimizer, lr)
     set_seed(0)  # a preset's new head: the same command makes the same model
     model, train, val = training_inputs(model_path, data, sequence_length=sequence_length)
     causal = is_causal_lm(model)
     if the_plan is None:  # a causal LM's preset without --plan
         the_plan = default_plan(model)
+    if quantize is not None:  # the plan's kernels then train as float deltas beside the integers
+        n = quantize_base(model, the_plan, quantize)
+        print_fn(f"finefreeze finetune: quantized {n} layers to {quantize} (the plan's kernels train float deltas)")
     set_seed(0)  # dropout and friends: the same command trains the same model
     frz = ff.Freezer(model, the_plan, strategy=strategy)
     files = {}
@@ -290,7 +307,7 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
             f"finefreeze finetune: greedy text from {text!r}: {sample['before']!r} before, {sample['after']!r} after"
         )
     history = {k: [float(v) for v in vs] for k, vs in hist.history.items()}
-    settings = {"optimizer": optimizer, "lr": lr, "epochs": epochs, "batch_size": batch_size}
+    settings = {"optimizer": optimizer, "lr": lr, "epochs": epochs, "batch_size": batch_size, "quantize": quantize}
     if sample is not None:
         settings["sample"] = sample
     return _write(stage, model, frz, model_path, files, metric, history, settings, first_epoch, print_fn)
@@ -361,6 +378,7 @@ def _write(stage, model, frz, model_path, files, metric, history, settings, firs
         metric=metric,
         base=base["path"],
         sample=settings.get("sample"),
+        quantized=settings.get("quantize"),
     )
     rep["finetune"] = {
         "verified": verified,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
-__all__ = ["EXPORTED", "REBUILT", "MAX_LENGTH", "build_parser"]
+__all__ = ["EXPORTED", "REBUILT", "MAX_LENGTH", "QUANTIZE_MODES", "build_parser"]
 
 _PRESET_HELP = (
     "a .keras model, or a KerasHub preset folder (save_to_preset, or a Hugging Face checkpoint folder "
@@ -19,6 +19,8 @@ _PRESET_HELP = (
 EXPORTED, REBUILT = "exported-delta.safetensors", "rebuilt.keras"
 #: tokens ``generate`` writes at most, the prompt's included, unless ``--max-length`` says otherwise
 MAX_LENGTH = 64
+#: the Keras quantization modes ``finetune --quantize`` takes (a plan trains a part of their kernels)
+QUANTIZE_MODES = ("int8", "int4")
 _PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
 
 
@@ -103,6 +105,13 @@ def _finetune(sub, fn: Callable) -> None:
         "--prompt",
         help="a causal LM's preset: the prompt of the greedy text report.json shows before and after "
         "(default: the first words of the first validation example)",
+    )
+    ft.add_argument(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        help="quantize the base with Keras first (QLoRA's base): every Dense, EinsumDense and Embedding layer "
+        "but those whose kernel the plan trains in full; what the plan trains of a quantized kernel is a float "
+        "delta beside its integers (delta.safetensors; generate and verify quantize the base the same way)",
     )
     ft.add_argument(
         "--budget",
