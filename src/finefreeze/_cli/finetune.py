@@ -108,7 +108,9 @@ class Result:
         if self.quantized is None:
             return f"{check}; rebuild: finefreeze delta apply {base} {delta}"
         if self.sample is None:  # a quantized kernel's float delta lives beside the integers, not in a .keras file
-            return f"{check}; the delta applies to the base quantized to {self.quantized} (ff.load_delta)"
+            model, weights = (_short(os.path.join(out, name)) for name in ("tuned.keras", "delta.safetensors"))
+            use = f"ff.load_delta(keras.models.load_model({model!r}), {weights!r})"
+            return f"{check}; use it (tuned.keras holds the {self.quantized} base, the delta what trained): {use}"
         return f"{check}; generate: finefreeze generate {base} {shlex.quote(self.sample['prompt'])} --delta {delta}"
 
 
@@ -276,8 +278,11 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     if the_plan is None:  # a causal LM's preset without --plan
         the_plan = default_plan(model)
     if quantize is not None:  # the plan's kernels then train as float deltas beside the integers
-        n = quantize_base(model, the_plan, quantize)
-        print_fn(f"finefreeze finetune: quantized {n} layers to {quantize} (the plan's kernels train float deltas)")
+        n, left = quantize_base(model, the_plan, quantize)
+        also = f"; {left} inside MultiHeadAttention left float, which Keras cannot load back quantized" if left else ""
+        print_fn(
+            f"finefreeze finetune: quantized {n} layers to {quantize} (the plan's kernels train float deltas){also}"
+        )
     set_seed(0)  # dropout and friends: the same command trains the same model
     frz = ff.Freezer(model, the_plan, strategy=strategy)
     files = {}

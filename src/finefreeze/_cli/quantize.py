@@ -2,7 +2,10 @@
 
 ``finetune --quantize int8`` (or ``int4``) quantizes the model with Keras
 before the plan applies, every layer Keras can quantize but those whose
-kernel the plan trains in full (a new head stays float): the plan's kernels
+kernel the plan trains in full (a new head stays float) and those inside a
+Keras ``MultiHeadAttention`` (Keras 3.15 saves them quantized but cannot load
+them back: ``load_model`` raises "expected 2 variables, but received 0"):
+the plan's kernels
 then train as float deltas beside the integers, QLoRA's base. A delta file
 of such a run records which kernels were quantized and how; ``generate``,
 ``verify`` and ``delta apply`` quantize a float base the same way before
@@ -39,8 +42,25 @@ def _quantize(model, mode: str, keep) -> None:
             raise UserError(f"Keras cannot quantize this model to {mode}: {first}") from None
 
 
-def quantize_base(model, plan, mode: str) -> int:
-    """Quantize ``model`` to ``mode`` but the layers whose kernel ``plan`` trains in full; the layers quantized.
+def _in_multi_head_attention(model) -> set[int]:
+    """The ids of the layers inside a Keras ``MultiHeadAttention`` (KerasHub's cached one included)."""
+    import keras
+
+    from finefreeze._keras.layers import all_layers
+
+    attention = [x for x in all_layers(model, include_self=False) if isinstance(x, keras.layers.MultiHeadAttention)]
+    return {id(x) for a in attention for x in all_layers(a, include_self=False)}
+
+
+def quantize_base(model, plan, mode: str) -> tuple[int, int]:
+    """Quantize ``model`` to ``mode`` but the layers whose kernel ``plan`` trains in full.
+
+    The layers of a Keras ``MultiHeadAttention`` stay float: a ``.keras``
+    file of them quantized does not load back (Keras 3.15).
+
+    Returns:
+        ``(quantized, left float)``: the layers quantized, and those left
+        float because they are inside a ``MultiHeadAttention``.
 
     Raises:
         UserError: ``mode`` is not one of :data:`MODES`, or nothing in the
@@ -53,19 +73,26 @@ def quantize_base(model, plan, mode: str) -> int:
         raise UserError(f"--quantize {mode!r}: choose one of {', '.join(MODES)}")
     res = resolve(plan, collect(model))
     whole = {id(s.variable) for s in res.states if res.kind_of(s) == TRAINABLE}
+    attention = _in_multi_head_attention(model)
+    skipped = 0
 
     def keep(layer) -> bool:
+        nonlocal skipped
         kernel = _kernel(layer)
-        return kernel is not None and id(kernel) not in whole
+        if kernel is None or id(kernel) in whole:
+            return False
+        skipped += id(layer) in attention
+        return id(layer) not in attention
 
     _quantize(model, mode, keep)
     done = len(quantized_kernels(model))
     if not done:
         raise UserError(
             f"--quantize {mode}: no layer of the model was quantized (Keras quantizes Dense, EinsumDense and "
-            "Embedding layers, and the plan trains those in full); drop --quantize"
+            "Embedding layers; the plan trains those in full, or they are inside a MultiHeadAttention, which "
+            "Keras cannot load back quantized); drop --quantize"
         )
-    return done
+    return done, skipped
 
 
 def quantized_kernels(model) -> dict[str, str]:
