@@ -96,10 +96,20 @@ def _finetune(sub, fn: Callable) -> None:
         "(same command line otherwise)",
     )
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
+    _what_trains(ft)
+
+
+def _what_trains(ft) -> None:
+    """``finetune``'s options on what trains and on what base: ``--select``, ``--budget``, ``--prompt``, ``--quantize``."""
     ft.add_argument(
         "--select",
         choices=["fisher", "gradient", "magnitude", "delta", "random"],
         help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
+    )
+    ft.add_argument(
+        "--budget",
+        default=None,
+        help="with --select: a fraction (0.01), a percent (1%%) or a count of elements (5000) (default: 1%%)",
     )
     ft.add_argument(
         "--prompt",
@@ -110,13 +120,9 @@ def _finetune(sub, fn: Callable) -> None:
         "--quantize",
         choices=QUANTIZE_MODES,
         help="quantize the base with Keras first (QLoRA's base): every Dense, EinsumDense and Embedding layer "
-        "but those whose kernel the plan trains in full; what the plan trains of a quantized kernel is a float "
-        "delta beside its integers (delta.safetensors; generate and verify quantize the base the same way)",
-    )
-    ft.add_argument(
-        "--budget",
-        default=None,
-        help="with --select: a fraction (0.01), a percent (1%%) or a count of elements (5000) (default: 1%%)",
+        "but those whose kernel the plan trains in full and those inside a MultiHeadAttention; what the plan "
+        "trains of a quantized kernel is a float delta beside its integers (delta.safetensors; generate and "
+        "verify quantize the base the same way)",
     )
 
 

@@ -23,7 +23,7 @@ from finefreeze._files.atomic import UserError
 __all__ = ["MODES", "quantize_base", "quantize_as", "quantized_kernels", "delta_quantization", "refuse_without_delta"]
 
 
-def _kernel(layer):
+def _quantizable(layer):
     """The variable Keras quantizes in ``layer`` (a kernel or a table), or None."""
     from finefreeze._keras.layers import embeddings_variable, kernel_variable
 
@@ -78,7 +78,7 @@ def quantize_base(model, plan, mode: str) -> tuple[int, int]:
 
     def keep(layer) -> bool:
         nonlocal skipped
-        kernel = _kernel(layer)
+        kernel = _quantizable(layer)
         if kernel is None or id(kernel) in whole:
             return False
         skipped += id(layer) in attention
@@ -103,7 +103,7 @@ def quantized_kernels(model) -> dict[str, str]:
     out = {}
     for layer in all_layers(model, include_self=False):
         mode = is_quantized(layer)
-        kernel = _kernel(layer) if mode is not None else None
+        kernel = _quantizable(layer) if mode is not None else None
         if kernel is not None:
             out[kernel.path] = mode
     return out
@@ -124,7 +124,7 @@ def quantize_as(model, kernels: dict[str, str], source: str) -> None:
 
     by_path = {}
     for layer in all_layers(model, include_self=False):
-        kernel = _kernel(layer)
+        kernel = _quantizable(layer)
         if kernel is not None:
             by_path[kernel.path] = layer
     missing = sorted(p for p in kernels if p not in by_path)
