@@ -66,7 +66,8 @@ def test_the_base_is_quantized_and_its_integers_and_scales_stay_bit_identical(ru
     assert report["quantize"] == "int8" and report["verified"]
     assert report["metric"]["after"] < report["metric"]["before"]
     end = stdout.strip().splitlines()[-1]
-    assert end.endswith(f"--delta {root / 'out' / 'delta.safetensors'}") and "finefreeze generate" in end
+    assert end.endswith(f"--delta {root / 'out' / 'delta.safetensors'} --max-length {SEQ}")
+    assert "finefreeze generate" in end
 
     tuned = _load(root / "out" / "tuned.keras")
     kernels = quantized_kernels(tuned)
@@ -137,15 +138,18 @@ def test_a_keras_model_with_multi_head_attention_keeps_it_float_and_its_files_lo
     assert main(["finetune", str(tmp_path / "base.keras"), *args, "--quantize", "int8", "-o", str(out)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     said = [line for line in lines if "quantized" in line and "layers to int8" in line]
-    assert len(said) == 1 and said[0].endswith(
-        "; 4 inside MultiHeadAttention left float, which Keras cannot load back quantized"
-    )
+    left = "; left float: 1 trained in full; 4 inside MultiHeadAttention, which Keras cannot load back quantized"
+    assert len(said) == 1 and said[0].endswith(left)  # the new head, and the attention's projections
     assert "ff.load_delta(keras.models.load_model(" in lines[-1]
 
     tuned = keras.models.load_model(out / "tuned.keras", compile=False)  # Keras cannot load a quantized MHA back
     kernels = quantized_kernels(tuned)  # the table (new rows train as a float delta) and the feed-forward layers
     assert "token_embedding/embeddings" in kernels and not any("attention" in p for p in kernels)
     assert main(["verify", str(tmp_path / "base.keras"), str(out / "tuned.keras")]) == 0
+    capsys.readouterr()
+    assert main(["delta", "apply", str(tmp_path / "base.keras"), str(out / "delta.safetensors")]) == 2
+    err = capsys.readouterr().err  # no causal LM: generate is not where it runs
+    assert f"Apply it where it runs: ff.load_delta(keras.models.load_model('{out / 'tuned.keras'}')" in err, err
     before = np.asarray(tuned.predict(x[:64], verbose=0))
     assert ff.load_delta(tuned, str(out / "delta.safetensors"))["elements"] > 0  # the new rows' float delta
     assert not np.array_equal(before, np.asarray(tuned.predict(x[:64], verbose=0)))
@@ -172,3 +176,12 @@ def test_an_interrupted_quantized_run_resumes_to_the_uninterrupted_delta(run, tm
     assert code == 0, err[-3000:]
     assert (out / "delta.safetensors").read_bytes() == (root / "out" / "delta.safetensors").read_bytes()
     assert json.loads((out / "report.json").read_text())["finetune"]["resumed_after_epoch"] >= 1
+
+
+def test_an_int4_run_verifies_against_its_float_preset(run, tmp_path, capsys):
+    root, _, _ = run
+    argv = _finetune_args(root, tmp_path / "out", epochs=1)
+    argv[argv.index("int8")] = "int4"
+    assert main([*argv, "-q"]) == 0
+    assert main(["verify", str(root / "preset"), str(tmp_path / "out" / "tuned.keras")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK: all 3,456 frozen elements")

@@ -440,3 +440,21 @@ def test_a_checkpoint_resumes_the_deltas_bit_for_bit_and_a_saved_model_takes_its
     assert not np.array_equal(np.asarray(c.predict(x, verbose=0)), saved)  # the base and the bias, not the delta
     ff.load_delta(c, tmp_path / "a.safetensors")
     assert np.asarray(c.predict(x, verbose=0)).tobytes() == saved.tobytes()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_verify_against_a_reference_compares_the_stored_integers_of_either_mode(mode):
+    """``verify(reference=)`` (``finefreeze verify``) reads an int4 kernel as stored: two values a byte."""
+    m, ref = _net(mode), _net(mode)  # the same float weights, quantized alike
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel[:, :4]")])
+    frz.verify(reference=ref)
+    for path in ("a/kernel", "e/kernel"):  # a kernel with a trained delta, and one frozen whole
+        v = next(w for w in ref.weights if w.path == path)
+        stored = np.array(keras.ops.convert_to_numpy(v), copy=True)
+        changed = stored.copy()
+        changed.reshape(-1)[3] ^= 1
+        v.assign(changed)
+        with pytest.raises(ff.FrozenValueChanged, match=f"{path}: 1 frozen element"):
+            frz.verify(reference=ref)
+        v.assign(stored)
+    frz.verify(reference=ref)

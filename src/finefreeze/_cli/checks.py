@@ -164,7 +164,8 @@ def check_resume(out: str, settings: dict, resume: bool, force: bool) -> None:
         if saved.get(key) != now:
             what = _WHAT.get(key, f"--{key}")
             then = saved.get(key)
-            detail = "another file" if key in ("model", "data", "plan") else f"{then!r} then, {now!r} now"
+            then_s, now_s = ("none" if key == "quantize" and v is None else repr(v) for v in (then, now))
+            detail = "another file" if key in ("model", "data", "plan") else f"{then_s} then, {now_s} now"
             raise UserError(
                 f"--resume: the interrupted run in {out!r} had another {what} ({detail}); "
                 "resume with the same command line, or start over with --force"

@@ -18,6 +18,7 @@ import numpy as np
 
 from finefreeze._cli.inputs import base_model, check_model_file, load_model, load_plan
 from finefreeze._cli.parser import EXPORTED, REBUILT
+from finefreeze._cli.presets import is_causal_preset
 from finefreeze._cli.quantize import quantize_as
 from finefreeze._files.atomic import UserError, atomic_path, check_output, refuse_overwrite
 
@@ -101,11 +102,15 @@ def _refuse_quantized(named: list, base: str) -> None:
     for d, entries in named:
         modes = sorted({e.quantized for e in entries.values() if e.quantized is not None and e.values is not None})
         if modes:
+            if is_causal_preset(base):
+                where = f"finefreeze generate {shlex.quote(base)} PROMPT --delta {shlex.quote(d)}"
+            else:  # the run's tuned.keras is the base quantized the same way
+                tuned = os.path.join(os.path.dirname(d), "tuned.keras")
+                where = f"ff.load_delta(keras.models.load_model({tuned!r}), {d!r})"
             raise UserError(
                 f"delta {d!r} was trained on {base!r} quantized to {'/'.join(modes)}: its kernels' trained values "
                 "are float deltas beside their integers, which a .keras file does not hold (Keras saves a quantized "
-                f"layer's integers only). Apply it where it runs: finefreeze generate {shlex.quote(base)} PROMPT "
-                f"--delta {shlex.quote(d)}, or ff.load_delta on the base quantized the same way"
+                f"layer's integers only). Apply it where it runs: {where}"
             )
 
 

@@ -222,9 +222,8 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
         the_plan = default_plan(model)
     if quantize is not None:  # the plan's kernels then train as float deltas beside the integers
         n, left = quantize_base(model, the_plan, quantize)
-        also = f"; {left} inside MultiHeadAttention left float, which Keras cannot load back quantized" if left else ""
         print_fn(
-            f"finefreeze finetune: quantized {n} layers to {quantize} (the plan's kernels train float deltas){also}"
+            f"finefreeze finetune: quantized {n} layers to {quantize} (the plan's kernels train float deltas){left}"
         )
     set_seed(0)  # dropout and friends: the same command trains the same model
     frz = ff.Freezer(model, the_plan, strategy=strategy)

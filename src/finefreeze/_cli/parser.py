@@ -197,6 +197,7 @@ def _generate(sub, fn: Callable) -> None:
         "--delta",
         action=_Once,
         help="a .safetensors delta of MODEL (finetune's delta.safetensors) to apply first; merge several with "
-        "finefreeze delta apply",
+        "finefreeze delta apply. A finetune --quantize run's tuned.keras needs its delta (the kernels' float "
+        "deltas are in it only)",
     )
     gen.add_argument("--max-length", type=int, default=64, help="tokens at most, the prompt's included (default: 64)")

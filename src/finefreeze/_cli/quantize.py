@@ -52,15 +52,16 @@ def _in_multi_head_attention(model) -> set[int]:
     return {id(x) for a in attention for x in all_layers(a, include_self=False)}
 
 
-def quantize_base(model, plan, mode: str) -> tuple[int, int]:
+def quantize_base(model, plan, mode: str) -> tuple[int, str]:
     """Quantize ``model`` to ``mode`` but the layers whose kernel ``plan`` trains in full.
 
     The layers of a Keras ``MultiHeadAttention`` stay float: a ``.keras``
     file of them quantized does not load back (Keras 3.15).
 
     Returns:
-        ``(quantized, left float)``: the layers quantized, and those left
-        float because they are inside a ``MultiHeadAttention``.
+        ``(quantized, left float)``: the number of layers quantized, and a
+        note on those left float (the plan trains their kernel in full, or
+        they are inside a ``MultiHeadAttention``), "" when none is.
 
     Raises:
         UserError: ``mode`` is not one of :data:`MODES`, or nothing in the
@@ -74,15 +75,19 @@ def quantize_base(model, plan, mode: str) -> tuple[int, int]:
     res = resolve(plan, collect(model))
     whole = {id(s.variable) for s in res.states if res.kind_of(s) == TRAINABLE}
     attention = _in_multi_head_attention(model)
-    skipped = 0
+    left = {"trained in full": 0, "inside MultiHeadAttention, which Keras cannot load back quantized": 0}
 
     def keep(layer) -> bool:
-        nonlocal skipped
         kernel = _quantizable(layer)
-        if kernel is None or id(kernel) in whole:
+        if kernel is None:
             return False
-        skipped += id(layer) in attention
-        return id(layer) not in attention
+        if id(kernel) in whole:
+            left["trained in full"] += 1
+            return False
+        if id(layer) in attention:
+            left["inside MultiHeadAttention, which Keras cannot load back quantized"] += 1
+            return False
+        return True
 
     _quantize(model, mode, keep)
     done = len(quantized_kernels(model))
@@ -92,7 +97,8 @@ def quantize_base(model, plan, mode: str) -> tuple[int, int]:
             "Embedding layers; the plan trains those in full, or they are inside a MultiHeadAttention, which "
             "Keras cannot load back quantized); drop --quantize"
         )
-    return done, skipped
+    note = "; ".join(f"{n} {why}" for why, n in left.items() if n)
+    return done, f"; left float: {note}" if note else ""
 
 
 def quantized_kernels(model) -> dict[str, str]:

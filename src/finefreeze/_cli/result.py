@@ -56,7 +56,8 @@ class Result:
             model, weights = (_short(os.path.join(out, name)) for name in ("tuned.keras", "delta.safetensors"))
             use = f"ff.load_delta(keras.models.load_model({model!r}), {weights!r})"
             return f"{check}; use it (tuned.keras holds the {self.quantized} base, the delta what trained): {use}"
-        return f"{check}; generate: finefreeze generate {base} {shlex.quote(self.sample['prompt'])} --delta {delta}"
+        prompt, length = shlex.quote(self.sample["prompt"]), self.sample["max_length"]
+        return f"{check}; generate: finefreeze generate {base} {prompt} --delta {delta} --max-length {length}"
 
 
 def _short(path: str) -> str:
