@@ -110,16 +110,22 @@ def enable_lora(backbone, variant: str) -> None:
         backbone.enable_lora(8, target_layer_names=PROJECTIONS)
 
 
-def build(size: str, dtype: str):
+def build(size: str, dtype: str, remat: bool = False):
+    """The Gemma-shaped LM (tied logits); ``remat``: each decoder block rematerialized (``keras.RematScope``)."""
+    import contextlib
+
     import keras
     import keras_hub
 
     keras.utils.set_random_seed(0)
     keras.config.set_dtype_policy(dtype)
-    backbone = keras_hub.models.GemmaBackbone(num_query_heads=8, num_key_value_heads=1, **SIZES[size])
-    h = backbone(backbone.input)
-    logits = backbone.token_embedding(h, reverse=True)
-    model = keras.Model(backbone.input, logits, name="lm")
+    blocks = [f"decoder_block_{i}" for i in range(SIZES[size]["num_layers"])]
+    scope = keras.RematScope(mode="list_of_layers", layer_names=blocks) if remat else contextlib.nullcontext()
+    with scope:
+        backbone = keras_hub.models.GemmaBackbone(num_query_heads=8, num_key_value_heads=1, **SIZES[size])
+        h = backbone(backbone.input)
+        logits = backbone.token_embedding(h, reverse=True)
+        model = keras.Model(backbone.input, logits, name="lm")
     return model, backbone
 
 
@@ -186,11 +192,11 @@ def child(a) -> dict:
 
     import finefreeze as ff
 
-    model, backbone = build(a.size, a.dtype)
+    model, backbone = build(a.size, a.dtype, a.remat)
     x, y = data(a.size)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = {"variant": a.variant, "backend": keras.backend.backend(), "size": a.size, "dtype": a.dtype}
-    out["quantize"] = a.quantize
+    out["quantize"], out["remat"] = a.quantize, a.remat
     out["stages_mb"] = stages = {"built": peak_mb()}
     out["parameters"] = int(sum(np.prod(v.shape) for v in model.weights))
     if a.variant == "select":
@@ -346,7 +352,7 @@ def run_child(variant: str, a) -> dict:
     cmd += ["--gradients", a.gradients, "--workdir", a.workdir, "--examples", str(a.examples)]
     cmd += ["--xla-memory"] if a.xla_memory else []
     cmd += ["--graph-ops"] if a.graph_ops else []
-    cmd += ["--jit-compile", a.jit_compile, "--quantize", a.quantize]
+    cmd += ["--jit-compile", a.jit_compile, "--quantize", a.quantize] + (["--remat"] if a.remat else [])
     got = subprocess.run(cmd, capture_output=True, text=True)
     if got.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{got.stderr[-4000:]}")
@@ -364,7 +370,9 @@ def memory_table(a) -> None:
     floor, full = rows.get("floor", {}).get("peak_mb"), rows.get("full", {}).get("peak_mb")
     steady = {k: rows.get(k, {}).get("steady_mb") for k in ("floor", "full")}
     r0 = next(iter(rows.values()))
+    remat = "each decoder block rematerialized, " if a.remat else ""
     print(f"\n{r0['backend']}, {r0['size']} ({r0['parameters']:,} parameters), {r0['dtype']}, base {a.quantize}, "
+          f"{remat}"
           f"batch {BATCH} x {TOKENS} tokens, Adam, {a.steps} steps, gradients={a.gradients!r}\n")  # fmt: skip
     print("| variant | trained elements | optimizer state | peak MB | excess | steady MB | steady excess | plan MB "
           "| step s | exact |")  # fmt: skip
@@ -422,7 +430,7 @@ def time_table(a) -> None:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     models = {}
     for v in chosen:
-        model, backbone = build(a.size, a.dtype)
+        model, backbone = build(a.size, a.dtype, a.remat)
         plan = plan_for(v, model, a.size, a.workdir)
         if a.quantize != "none":
             backbone.quantize(a.quantize)
@@ -483,6 +491,7 @@ def main() -> None:
     ap.add_argument(
         "--jit-compile", default="auto", choices=["auto", "false"], help="Keras' jit_compile (false: no XLA)"
     )
+    ap.add_argument("--remat", action="store_true", help="each decoder block rematerialized (keras.RematScope)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)

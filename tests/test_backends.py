@@ -79,3 +79,19 @@ def test_keras_distribution_on_two_jax_devices():
     )
     assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
     assert got.stdout.strip().splitlines()[-1] == "OK"
+
+
+@pytest.mark.slow
+@pytest.mark.backends("jax", reason="keras.distribution over JAX's host devices")
+def test_model_parallel_on_eight_devices_replicates_nothing_for_sliced_and_sampled_gradients():
+    """KerasHub's Gemma layout map on 8 host devices: exact, and XLA never copies a whole tensor to every device."""
+    got = run_on(
+        "jax",
+        str(ROOT / "tests" / "backend_model_parallel.py"),
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        TF_CPP_MIN_LOG_LEVEL="1",  # XLA's warnings on (its logging obeys TensorFlow's variable)
+    )
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-3000:]
+    assert got.stdout.strip().splitlines()[-1] == "OK"
+    replicated = [line for line in got.stderr.splitlines() if "Involuntary full rematerialization" in line]
+    assert replicated == [], replicated[:3]

@@ -65,7 +65,7 @@ def test_readme_quickstart_runs():
 
 NAMES = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "PyTorch"}
 #: helper scripts a test runs in a child process, and the backends of the test that runs them
-RUN_BY = {"tests/backend_distribution.py": ("jax",)}
+RUN_BY = {"tests/backend_distribution.py": ("jax",), "tests/backend_model_parallel.py": ("jax",)}
 
 
 def backends_of(ref: str) -> tuple[str, ...]:

@@ -456,6 +456,25 @@ def test_rematerialized():
     assert layers.rematerialized(d)
 
 
+def test_remat_each_call():
+    """Keras calls a rematerialized layer through ``rematerialized_call(call, *args)``: a call set on the instance too."""
+    with keras.RematScope(mode="full"):
+        d = keras.layers.Dense(2)
+    d.build((None, 3))
+    x = np.arange(6, dtype="float32").reshape(2, 3)
+    want = keras.ops.convert_to_numpy(d(x))
+    calls = []
+
+    def call(inputs):  # one function for as long as it is set, as finefreeze's calls are
+        calls.append(1)
+        return type(d).call(d, inputs)
+
+    instances.set_instance_value(d, "call", call)
+    instances.set_instance_value(d, "rematerialized_call", layers.remat_each_call(d))
+    for n in (1, 2):
+        assert np.array_equal(keras.ops.convert_to_numpy(d(x)), want) and len(calls) == n
+
+
 def test_kernel_variable():
     d = _dense()
     d.enable_lora(2)

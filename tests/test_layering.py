@@ -53,6 +53,7 @@ LAZY_MODULES = {
     "finefreeze._cli.deltas",
     "finefreeze._cli.inputs",
     "finefreeze._cli.finetune",
+    "finefreeze._cli.quantize",
 }
 
 

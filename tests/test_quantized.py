@@ -10,6 +10,7 @@ nothing.
 """
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -405,3 +406,55 @@ def test_int4_tables_group_index_is_verified_and_int4_deltas_merge(tmp_path):
     g_idx.assign(np.asarray(keras.ops.convert_to_numpy(g_idx)) + 1)
     with pytest.raises(ff.FrozenValueChanged, match="g_idx"):
         frz.verify()
+
+
+def test_a_checkpoint_resumes_the_deltas_bit_for_bit_and_a_saved_model_takes_its_delta_file(tmp_path):
+    x, y = _data()
+
+    def make():
+        keras.utils.set_random_seed(0)
+        m = _net("int8", activation="tanh")
+        frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel", columns=0.25), ff.train("b/bias")])
+        m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
+        return m, frz
+
+    a, frz = make()
+    a.fit(x, y, epochs=2, batch_size=8, verbose=0, shuffle=False)
+    a.save_weights(tmp_path / "ckpt.weights.h5")  # what BackupAndRestore writes
+    a.save(tmp_path / "a.keras")
+    frz.save_delta(tmp_path / "a.safetensors")
+    saved = np.asarray(a.predict(x, verbose=0))
+    a.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)
+
+    b, _ = make()
+    b.load_weights(tmp_path / "ckpt.weights.h5")
+    assert np.asarray(b.predict(x, verbose=0)).tobytes() == saved.tobytes()
+    b.fit(x, y, epochs=1, batch_size=8, verbose=0, shuffle=False)  # the deltas' optimizer state came back too
+    assert _delta(b, "a").tobytes() == _delta(a, "a").tobytes() and np.abs(_delta(a, "a")).max() > 0
+    mine = _bytes(a)
+    assert all(v.tobytes() == mine[k].tobytes() for k, v in _bytes(b).items()) and len(mine) == len(_bytes(b))
+
+    with warnings.catch_warnings():  # the wrapped optimizer's delta slots are not in a .keras file
+        warnings.simplefilter("ignore")
+        c = keras.models.load_model(tmp_path / "a.keras")
+    assert not np.array_equal(np.asarray(c.predict(x, verbose=0)), saved)  # the base and the bias, not the delta
+    ff.load_delta(c, tmp_path / "a.safetensors")
+    assert np.asarray(c.predict(x, verbose=0)).tobytes() == saved.tobytes()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_verify_against_a_reference_compares_the_stored_integers_of_either_mode(mode):
+    """``verify(reference=)`` (``finefreeze verify``) reads an int4 kernel as stored: two values a byte."""
+    m, ref = _net(mode), _net(mode)  # the same float weights, quantized alike
+    frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel[:, :4]")])
+    frz.verify(reference=ref)
+    for path in ("a/kernel", "e/kernel"):  # a kernel with a trained delta, and one frozen whole
+        v = next(w for w in ref.weights if w.path == path)
+        stored = np.array(keras.ops.convert_to_numpy(v), copy=True)
+        changed = stored.copy()
+        changed.reshape(-1)[3] ^= 1
+        v.assign(changed)
+        with pytest.raises(ff.FrozenValueChanged, match=f"{path}: 1 frozen element"):
+            frz.verify(reference=ref)
+        v.assign(stored)
+    frz.verify(reference=ref)

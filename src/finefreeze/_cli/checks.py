@@ -13,7 +13,7 @@ import os
 
 from finefreeze._cli.causal import CORPUS_SUFFIXES, load_corpus
 from finefreeze._cli.inputs import check_model_file, data_kind, plan_from_keras_file
-from finefreeze._cli.parser import EXPORTED, REBUILT
+from finefreeze._cli.parser import EXPORTED, QUANTIZE_MODES, REBUILT
 from finefreeze._cli.presets import TEXT_SUFFIXES, digest_folder, is_causal_preset, is_preset
 from finefreeze._files.atomic import Staging, UserError
 
@@ -52,6 +52,7 @@ def check_finetune(
     resume: bool,
     sequence_length: int,
     plan_written: bool = False,
+    quantize: str | None = None,
 ) -> dict:
     """Raise :class:`UserError` for any input ``finetune`` would refuse; return the run's settings.
 
@@ -63,6 +64,8 @@ def check_finetune(
             f"--epochs ({epochs}), --batch-size ({batch_size}) and --lr ({lr}) must be positive, "
             f"--sequence-length ({sequence_length}) at least 2"
         )
+    if quantize is not None and quantize not in QUANTIZE_MODES:
+        raise UserError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE_MODES)}")
     if model_path is not None:
         check_model_file(model_path, preset=True)
         if data is not None and data.endswith(".txt") and not is_causal_preset(model_path):
@@ -89,6 +92,7 @@ def check_finetune(
         return {}
     settings = _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy)
     settings["sequence_length"] = sequence_length if is_preset(model_path) else None
+    settings["quantize"] = quantize
     check_resume(out, settings, resume, force)
     return settings
 
@@ -160,7 +164,8 @@ def check_resume(out: str, settings: dict, resume: bool, force: bool) -> None:
         if saved.get(key) != now:
             what = _WHAT.get(key, f"--{key}")
             then = saved.get(key)
-            detail = "another file" if key in ("model", "data", "plan") else f"{then!r} then, {now!r} now"
+            then_s, now_s = ("none" if key == "quantize" and v is None else repr(v) for v in (then, now))
+            detail = "another file" if key in ("model", "data", "plan") else f"{then_s} then, {now_s} now"
             raise UserError(
                 f"--resume: the interrupted run in {out!r} had another {what} ({detail}); "
                 "resume with the same command line, or start over with --force"

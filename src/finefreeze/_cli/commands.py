@@ -57,7 +57,7 @@ def cmd_finetune(args) -> int:
     check_finetune(  # every refusal before a framework loads
         args.model, data=args.data, plan=args.plan, optimizer=args.optimizer, lr=args.lr, epochs=args.epochs,
         batch_size=args.batch_size, strategy=args.strategy, out=args.out, force=args.force, resume=args.resume,
-        sequence_length=args.sequence_length, plan_written=args.select is not None,
+        sequence_length=args.sequence_length, plan_written=args.select is not None, quantize=args.quantize,
     )  # fmt: skip
     from finefreeze._cli.finetune import finetune
     from finefreeze._report.events import require_tensorboard
@@ -94,6 +94,7 @@ def cmd_finetune(args) -> int:
             resume=args.resume,
             sequence_length=args.sequence_length,
             prompt=args.prompt,
+            quantize=args.quantize,
         )
     print(result.line())
     return 0 if result.verified else 1
@@ -140,12 +141,14 @@ def cmd_verify(args) -> int:
             f"did you mean `finefreeze verify {args.tuned} {args.base}`?"
         )
     from finefreeze._cli.presets import task_of
+    from finefreeze._cli.quantize import quantize_as, quantized_kernels
     from finefreeze._errors import FrozenValueChanged
     from finefreeze._freezer.freezer import Freezer
 
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
     tuned = load_model(args.tuned)
     base = base_model(args.base, task_of(tuned))
+    quantize_as(base, quantized_kernels(tuned), repr(args.tuned))  # a quantized run's: the same integers
     frz = Freezer(tuned, plan)
     try:
         frz.verify(reference=base)

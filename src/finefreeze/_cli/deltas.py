@@ -18,6 +18,8 @@ import numpy as np
 
 from finefreeze._cli.inputs import base_model, check_model_file, load_model, load_plan
 from finefreeze._cli.parser import EXPORTED, REBUILT
+from finefreeze._cli.presets import is_causal_preset
+from finefreeze._cli.quantize import quantize_as
 from finefreeze._files.atomic import UserError, atomic_path, check_output, refuse_overwrite
 
 __all__ = ["cmd_delta_export", "cmd_delta_apply", "freezer_of_deltas"]
@@ -70,8 +72,11 @@ def cmd_delta_apply(args) -> int:
         entries = merge_entries(named) if len(named) > 1 else named[0][1]
     except DeltaError as e:
         raise UserError(str(e).removeprefix("merge_deltas: ")) from None
+    _refuse_quantized(named, args.base)
     with atomic_path(out, force=args.force) as tmp:
         model = base_model(args.base, deltafile.read_json(args.delta[0], "base"))
+        # the quantized kernels a delta leaves frozen (it trained float weights beside them): quantized alike
+        quantize_as(model, {p: e.quantized for p, e in entries.items() if e.quantized is not None}, args.delta[0])
         try:
             bound = bind(model, entries, " + ".join(repr(d) for d in args.delta))
             apply_bound(bound)
@@ -90,6 +95,23 @@ def cmd_delta_apply(args) -> int:
         f"check: finefreeze verify {shlex.quote(args.base)} {shlex.quote(out)}"
     )
     return 0
+
+
+def _refuse_quantized(named: list, base: str) -> None:
+    """Raise :class:`UserError` for a delta trained on a quantized base: a ``.keras`` file cannot hold it."""
+    for d, entries in named:
+        modes = sorted({e.quantized for e in entries.values() if e.quantized is not None and e.values is not None})
+        if modes:
+            if is_causal_preset(base):
+                where = f"finefreeze generate {shlex.quote(base)} PROMPT --delta {shlex.quote(d)}"
+            else:  # the run's tuned.keras is the base quantized the same way
+                tuned = os.path.join(os.path.dirname(d), "tuned.keras")
+                where = f"ff.load_delta(keras.models.load_model({tuned!r}), {d!r})"
+            raise UserError(
+                f"delta {d!r} was trained on {base!r} quantized to {'/'.join(modes)}: its kernels' trained values "
+                "are float deltas beside their integers, which a .keras file does not hold (Keras saves a quantized "
+                f"layer's integers only). Apply it where it runs: {where}"
+            )
 
 
 def freezer_of_deltas(model, entries: dict, recorded: dict | None):

@@ -8,10 +8,8 @@ them, under a plan that trains only the new embedding rows and the head.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -25,6 +23,8 @@ from finefreeze._cli.checks import OUTPUTS, RESUME, check_finetune, done_epochs,
 from finefreeze._cli.epochs import plain, seed_states, shuffled
 from finefreeze._cli.inputs import data_kind, load_plan, training_inputs
 from finefreeze._cli.presets import is_causal_preset
+from finefreeze._cli.quantize import quantize_base
+from finefreeze._cli.result import Result
 from finefreeze._files.atomic import Staging, Terminated, UserError, check_interrupt, interrupted
 from finefreeze._files.delta import save_delta
 from finefreeze._keras.instances import tag
@@ -61,54 +61,6 @@ def _optimizer(name: str, lr: float):
         raise UserError(f"unknown optimizer {name!r}; choose one of {', '.join(known)}") from None
     opt.learning_rate = lr
     return opt
-
-
-def _kib(n: int) -> str:
-    return f"{n / 1024:.1f} KiB"
-
-
-@dataclasses.dataclass
-class Result:
-    """What :func:`finetune` produced (also written to ``report.json``)."""
-
-    out: str
-    trainable_elements: int
-    frozen_elements: int
-    verified: bool
-    delta_bytes: int
-    weights_bytes: int
-    files: dict
-    history: dict
-    metric: dict
-    base: str = ""  # the base to verify against and rebuild from
-    sample: dict | None = None  # a causal LM's greedy text from one prompt, before and after
-
-    def line(self) -> str:
-        ok = "verify OK (every frozen element bit-identical)" if self.verified else "verify FAILED"
-        m = self.metric
-        return (
-            f"finefreeze finetune: {m['name']} {m['before']:.4f} before, {m['after']:.4f} after; "
-            f"{self.trainable_elements:,} elements trained, {self.frozen_elements:,} frozen; "
-            f"{ok}; delta {_kib(self.delta_bytes)} = {100 * self.delta_bytes / self.weights_bytes:.1f}% "
-            f"of the {_kib(self.weights_bytes)} of weights; wrote {self.out}{self._next()}"
-        )
-
-    def _next(self) -> str:
-        """How to check the result again and rebuild it from the base and the delta (into ``out/rebuilt.keras``)."""
-        if not self.base:
-            return ""
-        base, out = shlex.quote(_short(self.base)), self.out
-        tuned, delta = (
-            shlex.quote(os.path.join(out, "tuned.keras")),
-            shlex.quote(os.path.join(out, "delta.safetensors")),
-        )
-        return f". Check: finefreeze verify {base} {tuned}; rebuild: finefreeze delta apply {base} {delta}"
-
-
-def _short(path: str) -> str:
-    """``path`` relative to the working folder when it lies inside it."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
 
 
 def _stop_on_interrupt():
@@ -149,6 +101,7 @@ def finetune(
     resume: bool = False,
     sequence_length: int = 128,
     prompt: str | None = None,
+    quantize: str | None = None,
 ) -> Result:
     """Fine-tune under a plan; write the model, delta, report, TensorBoard log and picture.
 
@@ -169,12 +122,18 @@ def finetune(
     default plan; the metric is the validation perplexity, and the report
     holds greedy text from ``prompt`` (default: the first words of the first
     validation example) before and after.
+
+    ``quantize`` (``"int8"``, ``"int4"``) quantizes the base with Keras before
+    the plan applies (:func:`~finefreeze._cli.quantize.quantize_base`): what
+    the plan trains of a quantized kernel is a float delta beside its
+    integers, written to the delta file (``tuned.keras`` holds the quantized
+    base and the float weights that trained).
     """
     from finefreeze._report.events import require_tensorboard
 
     settings = check_finetune(
         model_path, data=data, plan=plan, optimizer=optimizer, lr=lr, epochs=epochs, batch_size=batch_size,
-        strategy=strategy, out=out, force=force, resume=resume, sequence_length=sequence_length,
+        strategy=strategy, out=out, force=force, resume=resume, sequence_length=sequence_length, quantize=quantize,
     )  # fmt: skip
     require_tensorboard("finefreeze finetune")
     causal = plan is None and is_causal_preset(model_path)  # its default plan is made from the loaded model
@@ -198,7 +157,7 @@ def finetune(
             result = _run(
                 stage,
                 point,
-                (model_path, data, sequence_length, prompt),
+                (model_path, data, sequence_length, prompt, quantize),
                 the_plan,
                 optimizer,
                 lr,
@@ -254,13 +213,18 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     """Build, train, verify and write one run into ``stage``; its :class:`Result`."""
     import finefreeze as ff
 
-    model_path, data, sequence_length, prompt = inputs
+    model_path, data, sequence_length, prompt, quantize = inputs
     opt = _optimizer(optimizer, lr)
     set_seed(0)  # a preset's new head: the same command makes the same model
     model, train, val = training_inputs(model_path, data, sequence_length=sequence_length)
     causal = is_causal_lm(model)
     if the_plan is None:  # a causal LM's preset without --plan
         the_plan = default_plan(model)
+    if quantize is not None:  # the plan's kernels then train as float deltas beside the integers
+        n, left = quantize_base(model, the_plan, quantize)
+        print_fn(
+            f"finefreeze finetune: quantized {n} layers to {quantize} (the plan's kernels train float deltas){left}"
+        )
     set_seed(0)  # dropout and friends: the same command trains the same model
     frz = ff.Freezer(model, the_plan, strategy=strategy)
     files = {}
@@ -290,7 +254,7 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
             f"finefreeze finetune: greedy text from {text!r}: {sample['before']!r} before, {sample['after']!r} after"
         )
     history = {k: [float(v) for v in vs] for k, vs in hist.history.items()}
-    settings = {"optimizer": optimizer, "lr": lr, "epochs": epochs, "batch_size": batch_size}
+    settings = {"optimizer": optimizer, "lr": lr, "epochs": epochs, "batch_size": batch_size, "quantize": quantize}
     if sample is not None:
         settings["sample"] = sample
     return _write(stage, model, frz, model_path, files, metric, history, settings, first_epoch, print_fn)
@@ -361,6 +325,7 @@ def _write(stage, model, frz, model_path, files, metric, history, settings, firs
         metric=metric,
         base=base["path"],
         sample=settings.get("sample"),
+        quantized=settings.get("quantize"),
     )
     rep["finetune"] = {
         "verified": verified,

@@ -3,7 +3,9 @@
 The model is a preset folder whose ``task.json`` names a KerasHub
 ``CausalLM`` or the ``tuned.keras`` of a causal LM's fine-tune; ``--delta``
 applies a delta file to it as :func:`finefreeze.load_delta` does (all or
-nothing, checked against the model's frozen part). The sampler is greedy:
+nothing, checked against the model's frozen part); a delta trained on a
+quantized base (``finetune --quantize``) quantizes the model's float kernels
+the same way first. The sampler is greedy:
 the same command prints the same text.
 """
 
@@ -15,6 +17,7 @@ from finefreeze._cli.causal import generate_text, require_causal_lm
 from finefreeze._cli.inputs import check_model_file, load_model
 from finefreeze._cli.parser import MAX_LENGTH
 from finefreeze._cli.presets import is_causal_preset, is_preset
+from finefreeze._cli.quantize import delta_quantization, quantize_as, refuse_without_delta
 from finefreeze._files.atomic import UserError
 from finefreeze._files.delta import load_delta
 
@@ -44,6 +47,9 @@ def generate(model_path: str, prompt: str, *, delta: str | None = None, max_leng
     model = require_causal_lm(load_model(model_path, preset=True), model_path)
     if model.preprocessor is None:
         raise UserError(f"{model_path!r} holds no preprocessor: generate needs the task's tokenizer")
-    if delta is not None:
+    if delta is None and not is_preset(model_path):
+        refuse_without_delta(model, model_path)  # a quantized run's tuned.keras: its deltas are in its delta file
+    if delta is not None:  # a delta trained on a quantized base: the base quantized the same way first
+        quantize_as(model, delta_quantization(delta), repr(delta))
         load_delta(model, delta)  # a damaged delta, or one of another model: DeltaError, exit 2
     return generate_text(model, prompt, max_length)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 
-__all__ = ["EXPORTED", "REBUILT", "MAX_LENGTH", "build_parser"]
+__all__ = ["EXPORTED", "REBUILT", "MAX_LENGTH", "QUANTIZE_MODES", "build_parser"]
 
 _PRESET_HELP = (
     "a .keras model, or a KerasHub preset folder (save_to_preset, or a Hugging Face checkpoint folder "
@@ -19,6 +19,8 @@ _PRESET_HELP = (
 EXPORTED, REBUILT = "exported-delta.safetensors", "rebuilt.keras"
 #: tokens ``generate`` writes at most, the prompt's included, unless ``--max-length`` says otherwise
 MAX_LENGTH = 64
+#: the Keras quantization modes ``finetune --quantize`` takes (a plan trains a part of their kernels)
+QUANTIZE_MODES = ("int8", "int4")
 _PLAN_HELP = "plan file (.json, .toml, .yaml); default: the plan saved in {}"
 
 
@@ -94,10 +96,20 @@ def _finetune(sub, fn: Callable) -> None:
         "(same command line otherwise)",
     )
     ft.add_argument("-q", "--quiet", action="store_true", help="print only the final line")
+    _what_trains(ft)
+
+
+def _what_trains(ft) -> None:
+    """``finetune``'s options on what trains and on what base: ``--select``, ``--budget``, ``--prompt``, ``--quantize``."""
     ft.add_argument(
         "--select",
         choices=["fisher", "gradient", "magnitude", "delta", "random"],
         help="choose the trained elements from the training data with this score (ff.select) instead of --plan",
+    )
+    ft.add_argument(
+        "--budget",
+        default=None,
+        help="with --select: a fraction (0.01), a percent (1%%) or a count of elements (5000) (default: 1%%)",
     )
     ft.add_argument(
         "--prompt",
@@ -105,9 +117,12 @@ def _finetune(sub, fn: Callable) -> None:
         "(default: the first words of the first validation example)",
     )
     ft.add_argument(
-        "--budget",
-        default=None,
-        help="with --select: a fraction (0.01), a percent (1%%) or a count of elements (5000) (default: 1%%)",
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        help="quantize the base with Keras first (QLoRA's base): every Dense, EinsumDense and Embedding layer "
+        "but those whose kernel the plan trains in full and those inside a MultiHeadAttention; what the plan "
+        "trains of a quantized kernel is a float delta beside its integers (delta.safetensors; generate and "
+        "verify quantize the base the same way)",
     )
 
 
@@ -182,6 +197,7 @@ def _generate(sub, fn: Callable) -> None:
         "--delta",
         action=_Once,
         help="a .safetensors delta of MODEL (finetune's delta.safetensors) to apply first; merge several with "
-        "finefreeze delta apply",
+        "finefreeze delta apply. A finetune --quantize run's tuned.keras needs its delta (the kernels' float "
+        "deltas are in it only)",
     )
     gen.add_argument("--max-length", type=int, default=64, help="tokens at most, the prompt's included (default: 64)")

@@ -22,6 +22,7 @@ __all__ = [
     "kernel_variable",
     "lora_enabled_layers",
     "rematerialized",
+    "remat_each_call",
     "module_variables",
     "own_weights",
     "remove_sublayer",
@@ -85,6 +86,28 @@ def lora_enabled_layers(layer) -> list:
 def rematerialized(layer) -> bool:
     """Whether Keras rematerializes ``layer``'s call: it was made in a ``keras.RematScope`` (``_remat_mode``)."""
     return getattr(layer, "_remat_mode", None) is not None
+
+
+def remat_each_call(layer):
+    """A ``rematerialized_call`` for ``layer`` that hands Keras a new function at every call.
+
+    Keras rematerializes ``layer.call``, a bound method: a new object at
+    every call. A call set on the instance is one function for as long as
+    it is set, and JAX caches the trace of a checkpointed function by the
+    function: the next trace (the train step after the symbolic build)
+    would reuse the first one's values as constants, its variables'
+    tracers, and a stand-in would get no gradient. A new wrapper per call
+    is traced anew, as Keras' own call is.
+    """
+    keras_call = type(layer).rematerialized_call
+
+    def rematerialized_call(layer_call, *args, **kwargs):
+        def each_call(*a, **k):
+            return layer_call(*a, **k)
+
+        return keras_call(layer, each_call, *args, **kwargs)
+
+    return rematerialized_call
 
 
 def kernel_variable(layer):

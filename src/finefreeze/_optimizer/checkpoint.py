@@ -191,7 +191,8 @@ def load(opt, state, store, frz) -> bool:
             warnings.warn(
                 f"Skipping variable loading for optimizer {opt.name!r}: it has {len(opt._stored_variables())} variables "
                 f"and the checkpoint {len(keys)}; a checkpoint written after a plan change loads into an "
-                "optimizer made by a Freezer (frz.wrap) of the model.",
+                "optimizer made by a Freezer (frz.wrap) of the model. (A model whose quantized kernels trained "
+                "float deltas keeps them in its delta file, not in a .keras file: ff.load_delta applies them.)",
                 FreezeWarning,
                 stacklevel=4,
             )

@@ -32,7 +32,7 @@ from keras import ops
 from finefreeze._backends.chosen import lookups_are_sparse
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value
-from finefreeze._keras.layers import causal_padding, set_keras_mask
+from finefreeze._keras.layers import causal_padding, remat_each_call, rematerialized, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
 from finefreeze._slices.choose import MARK, SAMPLED_KINDS, KernelSlice, choose, quantized
@@ -169,6 +169,8 @@ def _same(mark, new) -> bool:
 
 def _take_call(layer, mark) -> None:
     remove_instance_value(layer, "quantized_call" if mark.quantized else "call")
+    if rematerialized(layer):
+        remove_instance_value(layer, "rematerialized_call")
     remove_instance_value(layer, MARK)
     if mark.holder is not None:
         detach(layer, mark.holder)
@@ -215,8 +217,7 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     if q:  # Keras runs quantized_call: Keras' product of the integers, plus the delta's
         product = _product(layer, ks)
         call = delta_call(layer, ks, taken, product, standin, index, _bias_and_activation)
-        set_instance_value(layer, "quantized_call", call)
-        set_instance_value(layer, MARK, mark)
+        _set_call_marked(layer, "quantized_call", call, mark)
         return
     if ks.kind in ("rows", "table elements"):
         call = _lookup_call(layer, ks, plain, taken, mark, frozen, now, standin, index)
@@ -224,7 +225,14 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
         call = _product_call(layer, ks, plain, taken, now, standin, index)
     else:
         call = _conv_call(layer, plain, taken, now, standin)
-    set_instance_value(layer, "call", call)
+    _set_call_marked(layer, "call", call, mark)
+
+
+def _set_call_marked(layer, name: str, call, mark) -> None:
+    """Set the layer's ``call`` (or ``quantized_call``) and its mark; under a ``keras.RematScope``, traced anew each call."""
+    set_instance_value(layer, name, call)
+    if rematerialized(layer):
+        set_instance_value(layer, "rematerialized_call", remat_each_call(layer))
     set_instance_value(layer, MARK, mark)
 
 

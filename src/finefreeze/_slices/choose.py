@@ -26,9 +26,10 @@ them alone (``"table elements"``): the rows' block would be most of the
 table.
 
 Only layers whose ``call`` is Keras' own are sliced (a subclass with a call
-of its own keeps the dense path), without LoRA or quantization, not made
-in a ``keras.RematScope`` (Keras' rematerialized call loses a stand-in's
-gradient: on JAX nothing trained), and convolutions with ``groups=1``.
+of its own keeps the dense path), without LoRA or quantization, and
+convolutions with ``groups=1``. A layer made in a ``keras.RematScope`` is
+sliced too: Keras recomputes its call, stand-in included, in the backward
+pass (``_keras.layers.remat_each_call``).
 
 A kernel Keras quantized (``int8``, ``int4``) has no dense path: what
 trains of it is a float delta of its trained elements beside the integers
@@ -54,7 +55,7 @@ import numpy as np
 
 from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, MEMORY_AT, auto_pays, auto_samples
 from finefreeze._keras.instances import instance_value
-from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable, rematerialized
+from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable
 from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape
 from finefreeze._resolve.axes import einsum_axes
 
@@ -148,8 +149,6 @@ def _geometry(layer, variable):
     if mode is not None and not quantized(layer, variable):
         return None
     if getattr(layer, "lora_enabled", False) and mode is None:
-        return None
-    if rematerialized(layer):  # Keras' checkpointed call does not hand a stand-in its gradient (JAX: none at all)
         return None
     call, rank = type(layer).call, len(kernel_shape(layer, variable))
     lookups = (keras.layers.Embedding.call, getattr(getattr(keras.layers, "ReversibleEmbedding", None), "call", None))

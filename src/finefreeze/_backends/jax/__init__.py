@@ -132,7 +132,7 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
 
     per, chunks = gathered.chunk_plan(int(flat.shape[0]), x.shape[0], chunk)
     w = gathered.window_width(window, order, per, x, dy, chunk) if chunks > 1 else None
-    x = jnp.concatenate([x, dy[:, :1].astype(x.dtype)], axis=1)
+    x = jnp.concatenate([x, _column_after(dy, x)], axis=1)
     unsigned = jnp.uint64 if flat.dtype == jnp.int64 else jnp.uint32
 
     def unsigned_columns(part):
@@ -165,6 +165,23 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
     _, sums = jax.lax.scan(turn, window_of(los[0]), (parts, los, following))
     sums = sums.reshape(-1)
     return sums if chunks * per == count else sums[:count]
+
+
+def _column_after(dy, x):
+    """A column for ``x`` that exists only once ``dy`` does (its values are never read).
+
+    One column of ``dy`` itself, or, under a ``keras.distribution`` (whose
+    layouts may shard ``dy``'s columns, as KerasHub's do a feed-forward
+    layer's), ``dy``'s sum broadcast: a column cut from a sharded axis makes
+    XLA replicate the whole of ``dy`` on every device ("involuntary full
+    rematerialization"), a sum all-reduces one number.
+    """
+    import jax.numpy as jnp
+    import keras
+
+    if keras.distribution.distribution() is None:
+        return dy[:, :1].astype(x.dtype)
+    return jnp.broadcast_to(jnp.sum(dy).astype(x.dtype), (x.shape[0], 1))
 
 
 def tap(y, x, k, s, weight_gradient):
