@@ -458,3 +458,12 @@ def test_verify_against_a_reference_compares_the_stored_integers_of_either_mode(
             frz.verify(reference=ref)
         v.assign(stored)
     frz.verify(reference=ref)
+
+
+def test_an_untied_quantized_output_table_is_refused_with_the_reason():
+    ids = keras.Input((3,), dtype="int32")
+    table = keras.layers.ReversibleEmbedding(10, 6, tie_weights=False, name="tok")
+    m = keras.Model(ids, table(table(ids), reverse=True))
+    m.quantize("int8")
+    with pytest.raises(ff.PlanError, match=r"untied output table Keras quantized .* keep it frozen"):
+        ff.Freezer(m, [ff.freeze("**"), ff.train("tok/reverse_embeddings[:, :2]")])
