@@ -4,9 +4,9 @@
 before the plan applies, every layer Keras can quantize but those whose
 kernel the plan trains in full (a new head stays float) and those inside a
 Keras ``MultiHeadAttention`` (Keras 3.15 saves them quantized but cannot load
-them back: ``load_model`` raises "expected 2 variables, but received 0"):
-the plan's kernels
-then train as float deltas beside the integers, QLoRA's base. A delta file
+them back: ``load_model`` raises "expected 2 variables, but received 0").
+The plan's kernels then train as float deltas beside the integers, QLoRA's
+base. A delta file
 of such a run records which kernels were quantized and how; ``generate``,
 ``verify`` and ``delta apply`` quantize a float base the same way before
 they use it (quantizing the same float weights the same way gives the same
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import warnings
 
-from finefreeze._cli.parser import QUANTIZE_MODES as MODES
 from finefreeze._files.atomic import UserError
 
-__all__ = ["MODES", "quantize_base", "quantize_as", "quantized_kernels", "delta_quantization", "refuse_without_delta"]
+__all__ = ["quantize_base", "quantize_as", "quantized_kernels", "delta_quantization", "refuse_without_delta"]
 
 
 def _quantizable(layer):
@@ -64,14 +63,12 @@ def quantize_base(model, plan, mode: str) -> tuple[int, str]:
         they are inside a ``MultiHeadAttention``), "" when none is.
 
     Raises:
-        UserError: ``mode`` is not one of :data:`MODES`, or nothing in the
-            model can be quantized.
+        UserError: nothing in the model can be quantized (``mode`` was
+            checked by ``check_finetune``).
     """
     from finefreeze._resolve.resolve import TRAINABLE, resolve
     from finefreeze._resolve.targets import collect
 
-    if mode not in MODES:
-        raise UserError(f"--quantize {mode!r}: choose one of {', '.join(MODES)}")
     res = resolve(plan, collect(model))
     whole = {id(s.variable) for s in res.states if res.kind_of(s) == TRAINABLE}
     attention = _in_multi_head_attention(model)
