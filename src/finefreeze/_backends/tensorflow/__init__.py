@@ -211,9 +211,10 @@ def scattered_product(t, values, take_at, add_at, width: int, chunk: int):
     """``functional.scattered_product`` as ``tf.sparse.sparse_dense_matmul``: the pairs a sparse matrix.
 
     No gathered copy of ``t``'s columns and no loop: in TensorFlow's graph
-    the chunked gathers held several hundred MB more at the step's peak on
-    a 152 M-parameter LLM's int8 base, and took longer (``benchmarks/llm_memory.py``).
-    XLA has no sparse product: under ``jit_compile=True``, the gathers.
+    the chunked gathers held about 290 MB more at the step's peak on a
+    152 M-parameter LLM's int8 base (1 % of every projection's elements;
+    ``benchmarks/llm_memory.py``), in the same step time. XLA has no sparse
+    product: under ``jit_compile=True``, the gathers.
     """
     if in_xla():
         return gathered.spread(t, values, take_at, add_at, width, chunk, functional.transposed, functional.add_rows)
