@@ -54,6 +54,8 @@ weight: its ``1 - beta_2 ** step`` rounds to 0 in bfloat16).
 full fine-tuning is a few MB above the floor (the excess divides by that),
 and its kernels are below what ``gradients="auto"`` slices (65,536 elements).
     KERAS_BACKEND=jax python benchmarks/llm_memory.py --xla-memory --only columns,scattered   # XLA's temporaries too
+    XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false KERAS_BACKEND=jax \
+        python benchmarks/llm_memory.py --quantize int8 --only floor,lora-all,scattered   # XLA's memory-first schedule
     python benchmarks/llm_memory.py --graph-ops --only floor,columns,scattered   # TensorFlow: the traced step's operations
     KERAS_BACKEND=jax python benchmarks/llm_memory.py --jit-compile false --only floor,full,columns   # a step not jitted
 """
@@ -453,15 +455,17 @@ def time_table(a) -> None:
             per[v].append((time.perf_counter() - t0) / a.steps)
     base = "floor" if "floor" in per else chosen[0]
     print(
-        f"\n{keras.backend.backend()}, {a.size}, {a.dtype}: step time, {a.rounds} interleaved rounds x {a.steps} steps"
+        f"\n{keras.backend.backend()}, {a.size}, {a.dtype}, base {a.quantize}: step time, {a.rounds} interleaved "
+        f"rounds x {a.steps} steps"
     )
-    print(f"| variant | median step s | / {base} (min-max of rounds) | / lora |")
+    ref = "lora-all" if "lora-all" in per else "lora"  # LoRA on the projections the variants train, where run
+    print(f"| variant | median step s | / {base} (min-max of rounds) | / {ref} |")
     print("|---|---|---|---|")
     for v in chosen:
         ratios = [t / b for t, b in zip(per[v], per[base])]
         lora = ""
-        if "lora" in per:
-            lr = [t / b for t, b in zip(per[v], per["lora"])]
+        if ref in per:
+            lr = [t / b for t, b in zip(per[v], per[ref])]
             lora = f"{statistics.median(lr):.2f} ({min(lr):.2f}-{max(lr):.2f})"
         print(f"| {v} | {statistics.median(per[v]):.3f} | {statistics.median(ratios):.2f} "
               f"({min(ratios):.2f}-{max(ratios):.2f}) | {lora} |")  # fmt: skip

@@ -430,6 +430,20 @@ MUTATIONS = [
         "    if True:",
         "KERAS_BACKEND=jax tests/test_backends.py -k model_parallel",
     ),
+    (
+        "TensorFlow: the scattered elements' sparse product kept under XLA, which has no sparse product",
+        "_backends/tensorflow/__init__.py",
+        "    if in_xla():\n        return gathered.spread",
+        "    if False:\n        return gathered.spread",
+        "tests/test_quantized.py -k sparse_product",
+    ),
+    (
+        "the summary: a frozen quantized kernel left untagged",
+        "_report/report.py",
+        """v["quantized"] + (" + float delta" if v["state"] != "frozen" else "")""",
+        """v["quantized"] + " + float delta" if v["state"] != "frozen" else None""",
+        "tests/test_quantized.py -k float_delta_and_every_stored_byte",
+    ),
 ]
 
 

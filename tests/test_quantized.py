@@ -88,6 +88,8 @@ def test_a_quantized_kernel_trains_a_float_delta_and_every_stored_byte_stays(mod
     rows = {v["path"]: v for v in frz.report()["variables"]}
     assert rows["a/kernel"]["quantized"] == mode and rows["a/kernel"]["shape"] == [12, 16]
     assert rows["a/kernel"]["optimizer_state_elements"] == 2 * trained["a"]  # Adam: two slots x trained
+    text = frz.summary()  # the text view tags every quantized kernel: trained ones with their delta
+    assert text.count(f"{mode} + float delta]") == 2 and text.count(f"[{mode}]") == 1, text
     assert not np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)
 
 
@@ -275,6 +277,30 @@ def test_the_product_read_at_scattered_elements_is_the_dense_products_with_its_g
     want_dk = np.einsum(f"{xs},{ys}->{ks}", x0.astype(np.float64), r.astype(np.float64)).reshape(-1)[trained]
     np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dv, want_dk, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="XLA inside a TensorFlow graph (jit_compile)")
+def test_tensorflows_sparse_product_of_scattered_elements_gathers_under_xla_with_the_same_result():
+    import tensorflow as tf
+
+    from finefreeze._backends.chosen import chosen
+
+    rng = np.random.default_rng(4)
+    t = rng.normal(size=(8, 10)).astype("float32")
+    pairs = np.sort(rng.choice(60, 20, replace=False))
+    take, add = (pairs // 6).astype("int32"), (pairs % 6).astype("int32")
+    v = rng.normal(size=20).astype("float32")
+    matrix = np.zeros((10, 6))
+    matrix[take, add] = v
+    want = t.astype(np.float64) @ matrix
+
+    def product(a):
+        return chosen().scattered_product(a, v, take, add, 6, 16)  # 16 values: chunks of 2 pairs, in a loop
+
+    sparse = np.asarray(product(tf.constant(t)))
+    xla = np.asarray(tf.function(product, jit_compile=True)(tf.constant(t)))  # XLA has no sparse product
+    np.testing.assert_allclose(sparse, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(xla, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", MODES)

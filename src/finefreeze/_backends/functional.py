@@ -18,7 +18,8 @@ The interface:
   :func:`write_elements`, :func:`from_host` (a variable's initial value);
 - a kernel's own gradient: :func:`tap`, :func:`vjp`, :func:`rows_gradient`;
 - :func:`in_xla`, :func:`prefer_in_place_updates`, :func:`nadam_product_step`,
-  :func:`map_in_turn`, :func:`transposed`, :func:`sampled_dots`;
+  :func:`map_in_turn`, :func:`transposed`, :func:`sampled_dots`,
+  :func:`scattered_product`;
 - capabilities: :data:`SPARSE_LOOKUPS`, :data:`INT64_INDICES_ONLY`,
   :data:`PAIRS_BY_POSITION`, :func:`has_int64`;
 - ``<module>.gradients.Gradients``: per-example gradients of ``select``.
@@ -56,6 +57,7 @@ __all__ = [
     "is_sparse",
     "map_in_turn",
     "sampled_dots",
+    "scattered_product",
     "transposed",
     "nadam_product_step",
     "own_buffers",
@@ -220,6 +222,17 @@ def sampled_dots(x, dy, flat, columns, order: str | None, chunk: int, window=Non
         The pairs' sums, float32 (float64 for float64 inputs).
     """
     return gathered.gathered_dots(x, dy, flat, columns, chunk, transposed, map_in_turn, order=order, window=window)
+
+
+def scattered_product(t, values, take_at, add_at, width: int, chunk: int):
+    """``out[n, add_at[e]] += t[n, take_at[e]] * values[e]`` for distinct pairs ``e``: ``(N, width)``.
+
+    ``t`` (``(N, A)``) times the ``(A, width)`` matrix that is zero but
+    ``values`` at the pairs, read at the pairs alone: no value of the
+    matrix's shape. Here: ``gathered.spread`` with this module's
+    :func:`transposed` and :func:`add_rows`, ``chunk`` gathered values at a time.
+    """
+    return gathered.spread(t, values, take_at, add_at, width, chunk, transposed, add_rows)
 
 
 def map_in_turn(fn, xs, dtype: str):

@@ -3,7 +3,9 @@
 ``sum_n x[n, a] * dy[n, b]`` for pairs ``(a, b)`` given by their flat
 indices: :func:`gathered_dots` (``functional.sampled_dots``, and the
 backends' products that gather), sized by :func:`chunk_plan`, cutting
-windows of a sorted side where :func:`window_width` says they pay.
+windows of a sorted side where :func:`window_width` says they pay; and the
+product with a matrix that is zero but at such pairs, :func:`spread`
+(``functional.scattered_product``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ import functools
 import keras
 from keras import ops
 
-__all__ = ["chunk_plan", "cut_columns", "gathered_dots", "in_chunks", "pair_sums", "sum_dtype", "window_width"]
+__all__ = [
+    "chunk_plan",
+    "cut_columns",
+    "gathered_dots",
+    "in_chunks",
+    "pair_sums",
+    "spread",
+    "sum_dtype",
+    "window_width",
+]
 
 
 def chunk_plan(count: int, tokens, chunk: int) -> tuple[int, int]:
@@ -124,3 +135,34 @@ def window_width(window, order: str | None, per: int, x, dy, chunk: int) -> int 
 def cut_columns(t, lo, w: int):
     """The columns ``lo`` to ``lo + w`` of a 2-D ``t`` (``lo`` a scalar tensor, ``w`` a constant)."""
     return ops.slice(t, (ops.zeros_like(lo), lo), (int(t.shape[0]), w))
+
+
+def spread(t, values, take_at, add_at, width: int, chunk: int, transpose, add_rows):
+    """``out[n, add_at[e]] += t[n, take_at[e]] * values[e]`` for every pair ``e``, by gathers: ``(N, width)``.
+
+    ``functional.scattered_product``: ``t``'s column of each pair gathered
+    as a row of its transpose (``transpose``, the backend's ``transposed``),
+    times the pair's value, added into its row of the result's transpose
+    (``add_rows``, the backend's), at most ``chunk`` gathered values at a
+    time, one chunk after another (a loop), into one sum.
+    """
+    tt = transpose(t)  # (A, N): a pair's column of t is a whole row here
+    n, batch = int(values.shape[0]), tt.shape[1]
+    per = max(1, chunk // batch) if batch else 4096
+    values = ops.cast(values, t.dtype)
+
+    def part(take, add, v):
+        return add_rows(ops.take(tt, take, axis=0) * ops.expand_dims(v, 1), add, width)
+
+    if n <= per:
+        return ops.transpose(part(take_at, add_at, values))
+    chunks = -(-n // per)
+    pad = chunks * per - n  # zeros: they add nothing
+
+    def laid(a):
+        return ops.reshape(ops.concatenate([a, ops.zeros((pad,), dtype=a.dtype)]), (chunks, per))
+
+    takes, adds, vs = laid(take_at), laid(add_at), laid(values)
+    total = ops.zeros((width, batch if batch else ops.shape(tt)[1]), dtype=t.dtype)
+    total = ops.fori_loop(0, chunks, lambda i, acc: acc + part(takes[i], adds[i], vs[i]), total)
+    return ops.transpose(total)

@@ -245,7 +245,7 @@ def _summary_rows(rep: dict, variables: bool) -> list[tuple]:
             )
         )
         for v in own if variables else ():
-            delta = f"{v['quantized']} + float delta" if v.get("quantized") and v["state"] != "frozen" else None
+            delta = v.get("quantized") and v["quantized"] + (" + float delta" if v["state"] != "frozen" else "")
             tag = ", ".join(t for t in (v["strategy"], v["gradient"] if v["gradient"] in _OWN else None, delta) if t)
             rows.append(
                 (

@@ -106,30 +106,10 @@ def _spread(t, values, take_at, add_at, width: int):
     """``out[n, add_at[e]] += t[n, take_at[e]] * values[e]`` for every element ``e``: ``(N, width)``.
 
     The product of ``t`` with a kernel that is zero but at the elements, read
-    at them alone: ``N`` products per element, no kernel-shaped value. The
-    elements go :data:`~finefreeze._slices.sampled.SAMPLED_CHUNK` gathered
-    values at a time, one chunk after another, into one sum.
+    at them alone (the backend's ``scattered_product``): ``N`` products per
+    element, no kernel-shaped value.
     """
-    tt = chosen().transposed(t)  # (A, N): an element's column of t is a whole row here
-    n, batch = int(values.shape[0]), tt.shape[1]
-    per = max(1, SAMPLED_CHUNK // batch) if batch else 4096
-    values = ops.cast(values, t.dtype)
-
-    def part(take, add, v):
-        return chosen().add_rows(ops.take(tt, take, axis=0) * ops.expand_dims(v, 1), add, width)
-
-    if n <= per:
-        return ops.transpose(part(take_at, add_at, values))
-    chunks = -(-n // per)
-    pad = chunks * per - n  # zeros: they add nothing
-
-    def laid(a):
-        return ops.reshape(ops.concatenate([a, ops.zeros((pad,), dtype=a.dtype)]), (chunks, per))
-
-    takes, adds, vs = laid(take_at), laid(add_at), laid(values)
-    total = ops.zeros((width, batch if batch else ops.shape(tt)[1]), dtype=t.dtype)
-    total = ops.fori_loop(0, chunks, lambda i, acc: acc + part(takes[i], adds[i], vs[i]), total)
-    return ops.transpose(total)
+    return chosen().scattered_product(t, values, take_at, add_at, width, SAMPLED_CHUNK)
 
 
 def scattered_delta(op, x, values, flat, sampled, shape):

@@ -173,6 +173,11 @@ def add_rows(rows, at, count: int):
     return out.index_add_(0, keras.ops.convert_to_tensor(at).long(), rows)
 
 
+def scattered_product(t, values, take_at, add_at, width: int, chunk: int):
+    """``functional.scattered_product`` with this module's ``transposed`` and ``add_rows`` (``index_add_``)."""
+    return gathered.spread(t, values, take_at, add_at, width, chunk, transposed, add_rows)
+
+
 def transposed(t):
     """The transpose of ``t`` copied row-contiguous: ``t.T`` is a view, whose rows a gather would read strided."""
     return keras.ops.convert_to_tensor(t).T.contiguous()
