@@ -418,3 +418,18 @@ def test_refusals_that_need_no_framework_come_before_one_loads(tmp_path):
     assert len(errors) == 14 and all(
         any(w in e for w in ("does not exist", "another run", "no config.json", "pass --force")) for e in errors
     ), errors
+
+
+@pytest.mark.parametrize("quantized", [None, "int8"])
+def test_the_end_line_names_every_file_relative_to_the_working_folder(tmp_path, monkeypatch, quantized):
+    from finefreeze._cli.result import Result
+
+    monkeypatch.chdir(tmp_path)
+    metric = {"name": "val_accuracy", "before": 0.1, "after": 0.9}
+    result = Result(
+        out=str(tmp_path / "run"), trainable_elements=1, frozen_elements=2, verified=True, delta_bytes=10,
+        weights_bytes=100, files={}, history={}, metric=metric, base=str(tmp_path / "base.keras"), quantized=quantized,
+    )  # fmt: skip
+    rest = result.line().split(". Check: ", 1)[1]  # the commands to run next, pasted as they are
+    assert rest.startswith("finefreeze verify base.keras run/tuned.keras;"), rest
+    assert str(tmp_path) not in rest and "run/delta.safetensors" in rest, rest

@@ -45,10 +45,7 @@ class Result:
         if not self.base:
             return ""
         base, out = shlex.quote(_short(self.base)), self.out
-        tuned, delta = (
-            shlex.quote(os.path.join(out, "tuned.keras")),
-            shlex.quote(os.path.join(out, "delta.safetensors")),
-        )
+        tuned, delta = (shlex.quote(_short(os.path.join(out, name))) for name in ("tuned.keras", "delta.safetensors"))
         check = f". Check: finefreeze verify {base} {tuned}"
         if self.quantized is None:
             return f"{check}; rebuild: finefreeze delta apply {base} {delta}"
