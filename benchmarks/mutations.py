@@ -5,7 +5,7 @@ catch it, and puts the source back (also on Ctrl-C). A mutation that no test
 catches is a hole in the test suite; docs/guarantees.md says how many are
 caught.
 
-    python benchmarks/mutations.py            # all mutations, about 20 minutes on 2 cores
+    python benchmarks/mutations.py            # all mutations, about 10 minutes on 2 idle cores
     python benchmarks/mutations.py --only 3   # one of them
 """
 
