@@ -433,8 +433,8 @@ MUTATIONS = [
     (
         "TensorFlow: the scattered elements' sparse product kept under XLA, which has no sparse product",
         "_backends/tensorflow/__init__.py",
-        "    if in_xla():\n        return gathered.spread",
-        "    if False:\n        return gathered.spread",
+        "    if in_xla():\n        return functional.scattered_product",
+        "    if False:\n        return functional.scattered_product",
         "tests/test_quantized.py -k sparse_product",
     ),
     (

@@ -102,16 +102,6 @@ def _columns_of(sampled, t, spec: str, kernel_letters: list[str], width: int):
     return sampled._as_columns(t, spec, kernel_letters, width), back
 
 
-def _spread(t, values, take_at, add_at, width: int):
-    """``out[n, add_at[e]] += t[n, take_at[e]] * values[e]`` for every element ``e``: ``(N, width)``.
-
-    The product of ``t`` with a kernel that is zero but at the elements, read
-    at them alone (the backend's ``scattered_product``): ``N`` products per
-    element, no kernel-shaped value.
-    """
-    return chosen().scattered_product(t, values, take_at, add_at, width, SAMPLED_CHUNK)
-
-
 def scattered_delta(op, x, values, flat, sampled, shape):
     """``op(x, delta)`` for a delta of scattered elements, read at those elements alone.
 
@@ -137,7 +127,7 @@ def scattered_delta(op, x, values, flat, sampled, shape):
     def product(x, v, f):
         a, b = sampled.columns(f[:count])
         x2, _ = _columns_of(sampled, x, sampled.x_spec, sampled.xk, sampled.width_x)
-        y2 = _spread(x2, v, a, b, sampled.width_y)
+        y2 = chosen().scattered_product(x2, v, a, b, sampled.width_y, SAMPLED_CHUNK)
         y = _laid_out(sampled, x, y2)
 
         def grad(*args, upstream=None):
@@ -145,7 +135,7 @@ def scattered_delta(op, x, values, flat, sampled, shape):
                 (upstream,) = args
             dy2, _ = _columns_of(sampled, upstream, sampled.y_spec, sampled.yk, sampled.width_y)
             _, back = _columns_of(sampled, x, sampled.x_spec, sampled.xk, sampled.width_x)
-            dx = back(_spread(dy2, v, b, a, sampled.width_x))
+            dx = back(chosen().scattered_product(dy2, v, b, a, sampled.width_x, SAMPLED_CHUNK))
             dv = sampled.weight_gradient(x, upstream, f)
             return ops.cast(dx, x.dtype), ops.cast(dv, dtype), None
 

@@ -217,7 +217,7 @@ def scattered_product(t, values, take_at, add_at, width: int, chunk: int):
     product: under ``jit_compile=True``, the gathers.
     """
     if in_xla():
-        return gathered.spread(t, values, take_at, add_at, width, chunk, functional.transposed, functional.add_rows)
+        return functional.scattered_product(t, values, take_at, add_at, width, chunk)
     at = tf.stack([tf.cast(take_at, tf.int64), tf.cast(add_at, tf.int64)], axis=1)
     matrix = tf.sparse.SparseTensor(at, tf.cast(values, t.dtype), (int(t.shape[1]), width))
     return tf.transpose(tf.sparse.sparse_dense_matmul(matrix, t, adjoint_a=True, adjoint_b=True))
