@@ -451,6 +451,13 @@ MUTATIONS = [
         """v["quantized"] + " + float delta" if v["state"] != "frozen" else None""",
         "tests/test_quantized.py -k float_delta_and_every_stored_byte",
     ),
+    (
+        "a quantized kernel's delta handed to its product as the variable (TensorFlow's eager custom gradient)",
+        "_slices/calls.py",
+        "        return chosen().current_value(mark.standin)",
+        "        return ops.convert_to_tensor(mark.standin)",
+        "tests/test_quantized.py -k eager_step",
+    ),
 ]
 
 
