@@ -438,11 +438,25 @@ MUTATIONS = [
         "tests/test_quantized.py -k sparse_product",
     ),
     (
+        "TensorFlow: the scattered elements' pairs handed to the sparse row matrix in the order they come",
+        "_backends/tensorflow/__init__.py",
+        "    pairs = tf.sparse.reorder(tf.sparse.SparseTensor(at, tf.cast(values, wide), shape))",
+        "    pairs = tf.sparse.SparseTensor(at, tf.cast(values, wide), shape)",
+        "tests/test_backend_interface.py -k scattered_product",
+    ),
+    (
         "the summary: a frozen quantized kernel left untagged",
         "_report/report.py",
         """v["quantized"] + (" + float delta" if v["state"] != "frozen" else "")""",
         """v["quantized"] + " + float delta" if v["state"] != "frozen" else None""",
         "tests/test_quantized.py -k float_delta_and_every_stored_byte",
+    ),
+    (
+        "a quantized kernel's delta handed to its product as the variable (TensorFlow's eager custom gradient)",
+        "_slices/calls.py",
+        "        return chosen().current_value(mark.standin)",
+        "        return ops.convert_to_tensor(mark.standin)",
+        "tests/test_quantized.py -k eager_step",
     ),
 ]
 

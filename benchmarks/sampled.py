@@ -22,6 +22,16 @@ and sums; PyTorch's ``sampled_addmm`` sums in its own order).
 
     python benchmarks/sampled.py --product --rounds 9
 
+``--scattered``: the product with a delta of scattered elements as a
+quantized kernel's step runs it (the backend's ``scattered_product``:
+``x`` times the matrix that is the delta at 1 % of the 152 M LLM's kernel
+shapes, 512 tokens, and the input's gradient from ``dy``) against the same
+product in ``keras.ops`` (``functional.scattered_product``, the gathers)
+and, on TensorFlow, ``tf.sparse.sparse_dense_matmul``, side by side in
+interleaved rounds; the largest difference from the gathers' result.
+
+    python benchmarks/sampled.py --scattered --rounds 9
+
 ``--compiled`` (JAX): what XLA compiles per sampled product, which a CPU
 holds in memory for as long as the step lives. One program of ``K``
 products (1 % of a 1,024 x 1,024-ish kernel each, a width of its own, 512
@@ -120,6 +130,68 @@ def product(a) -> None:
         )
 
 
+def _both(f, v, a_, b_, n_in: int, n_out: int):
+    """``(x, dy) -> (x times the delta, dy times its transpose)`` by ``f``: the input's gradient reads the pairs in no order."""
+    return lambda x, dy: (f(x, v, a_, b_, n_out), f(dy, v, b_, a_, n_in))
+
+
+def scattered(a) -> None:
+    """The backend's ``scattered_product`` against the gathers (and TensorFlow's ``sparse_dense_matmul``)."""
+    import keras
+    import numpy as np
+
+    from finefreeze._backends import functional
+    from finefreeze._backends.chosen import chosen
+    from finefreeze._slices.sampled import SAMPLED_CHUNK
+
+    backend = keras.backend.backend()
+    compile_ = functions(backend, 1, 1)[0]
+    rng = np.random.default_rng(0)
+    tokens = 512
+    variants = {
+        "backend's": lambda t, v, p, q, w: chosen().scattered_product(t, v, p, q, w, SAMPLED_CHUNK),
+        "gathers": lambda t, v, p, q, w: functional.scattered_product(t, v, p, q, w, SAMPLED_CHUNK),
+    }
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        def listed(t, v, p, q, w):
+            at = tf.stack([tf.cast(p, tf.int64), tf.cast(q, tf.int64)], axis=1)
+            matrix = tf.sparse.reorder(tf.sparse.SparseTensor(at, v, (int(t.shape[1]), w)))
+            return tf.transpose(tf.sparse.sparse_dense_matmul(matrix, t, adjoint_a=True, adjoint_b=True))
+
+        variants["tf.sparse.sparse_dense_matmul"] = listed
+    names = list(variants)
+    print(f"## {backend}: x times a delta of 1 % scattered elements, and dy times its transpose, {tokens} tokens\n")
+    print("| kernel | pairs | " + " | ".join(f"{n}, ms" for n in names) + " | / gathers | largest difference |")
+    print("| --- | --- | " + " | ".join("---" for _ in names) + " | --- | --- |")
+    for n_in, n_out in ((8192, 1024), (1024, 8192), (1024, 1024)):
+        x = keras.ops.convert_to_tensor(rng.normal(size=(tokens, n_in)).astype("float32"))
+        dy = keras.ops.convert_to_tensor(rng.normal(size=(tokens, n_out)).astype("float32"))
+        flat = np.sort(rng.choice(n_in * n_out, n_in * n_out // 100, replace=False))
+        a_, b_ = (keras.ops.convert_to_tensor(c.astype("int32")) for c in (flat // n_out, flat % n_out))
+        v = keras.ops.convert_to_tensor(rng.normal(size=flat.size).astype("float32"))
+        both = {n: compile_(_both(f, v, a_, b_, n_in, n_out)) for n, f in variants.items()}
+        ref = [keras.ops.convert_to_numpy(r) for r in both["gathers"](x, dy)]
+        gap = max(
+            float(np.abs(keras.ops.convert_to_numpy(r) - w).max()) for n in names for r, w in zip(both[n](x, dy), ref)
+        )
+        times = {n: [] for n in names}
+        for _ in range(a.rounds):
+            for n in names:
+                t0 = time.perf_counter()
+                for r in both[n](x, dy):
+                    keras.ops.convert_to_numpy(r[:1])
+                times[n].append(1000 * (time.perf_counter() - t0))
+        spread = lambda t: f"{statistics.median(t):.1f} ({min(t):.1f}–{max(t):.1f})"  # noqa: E731
+        ratio = statistics.median(times[names[0]]) / statistics.median(times["gathers"])
+        print(
+            f"| {n_in} × {n_out} | {flat.size:,} | "
+            + " | ".join(spread(times[n]) for n in names)
+            + f" | {ratio:.2f} | {gap:.1e} |"
+        )
+
+
 def compiled(count: int) -> dict:
     """Compile ``count`` sampled products in one jitted program; the memory it took (MB) and its instructions."""
     import ctypes
@@ -202,6 +274,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--product", action="store_true", help="the backend's sampled product against keras.ops'")
+    ap.add_argument("--scattered", action="store_true", help="the product with a delta of scattered elements")
     ap.add_argument("--compiled", action="store_true", help="JAX: memory and instructions XLA compiles per product")
     ap.add_argument("--compiled-child", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -214,6 +287,8 @@ def main():
     threads(a.threads)
     if a.product:
         return product(a)
+    if a.scattered:
+        return scattered(a)
 
     import keras
     import numpy as np

@@ -113,16 +113,19 @@ def test_add_rows_adds_each_row_at_its_place():
 
 
 @pytest.mark.parametrize("chunk", [1 << 21, 16])  # 16 values: two pairs at a time, in a loop (where gathered)
-def test_scattered_product_multiplies_by_the_matrix_that_is_zero_but_at_the_pairs(chunk):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # a mixed-precision layer's input
+def test_scattered_product_multiplies_by_the_matrix_that_is_zero_but_at_the_pairs(chunk, dtype):
     rng = np.random.default_rng(8)
     t = rng.normal(size=(8, 10)).astype("float32")
     pairs = rng.choice(60, 25, replace=False)  # in no order: an input's gradient reads them so
     take, add = (pairs // 6).astype("int32"), (pairs % 6).astype("int32")
     values = rng.normal(size=25).astype("float32")
+    ts = keras.ops.cast(keras.ops.convert_to_tensor(t), dtype)
+    t = np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(ts, "float32")))  # the values the product reads
     matrix = np.zeros((10, 6))
     matrix[take, add] = values
-    got = keras.ops.convert_to_numpy(
-        chosen().scattered_product(*(keras.ops.convert_to_tensor(a) for a in (t, values, take, add)), 6, chunk)
-    )
-    assert got.shape == (8, 6) and got.dtype == np.float32
-    np.testing.assert_allclose(got, t.astype(np.float64) @ matrix, rtol=1e-5, atol=1e-6)
+    got = chosen().scattered_product(ts, *(keras.ops.convert_to_tensor(a) for a in (values, take, add)), 6, chunk)
+    assert tuple(got.shape) == (8, 6) and keras.backend.standardize_dtype(got.dtype) == dtype
+    got = keras.ops.convert_to_numpy(keras.ops.cast(got, "float32"))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
+    np.testing.assert_allclose(got, t.astype(np.float64) @ matrix, **tol)

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from finefreeze._backends.chosen import lookups_are_sparse
+from finefreeze._backends.chosen import chosen, lookups_are_sparse
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value, remove_instance_value, set_instance_value
 from finefreeze._keras.layers import causal_padding, remat_each_call, rematerialized, set_keras_mask
@@ -210,7 +210,8 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
         return slicing() and mark.now()
 
     def standin():
-        return ops.convert_to_tensor(mark.standin)
+        # a read of the variable (TensorFlow's eager custom gradient asks for a variable's own gradient)
+        return chosen().current_value(mark.standin)
 
     index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind in SAMPLED_KINDS else (lambda: None)
 

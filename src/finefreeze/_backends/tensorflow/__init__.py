@@ -208,19 +208,31 @@ def write_all(writes, after=()) -> None:
 
 
 def scattered_product(t, values, take_at, add_at, width: int, chunk: int):
-    """``functional.scattered_product`` as ``tf.sparse.sparse_dense_matmul``: the pairs a sparse matrix.
+    """``functional.scattered_product`` as a product with a compressed sparse row (CSR) matrix: the pairs.
 
-    No gathered copy of ``t``'s columns and no loop: in TensorFlow's graph
-    the chunked gathers held about 290 MB more at the step's peak on a
-    152 M-parameter LLM's int8 base (1 % of every projection's elements;
-    ``benchmarks/llm_memory.py``), in the same step time. XLA has no sparse
-    product: under ``jit_compile=True``, the gathers.
+    ``t`` times the ``(A, width)`` matrix that is ``values`` at the pairs:
+    ``tf.raw_ops.SparseMatrixMatMul`` of its transpose (rows ``add_at``,
+    sorted here) and ``t``'s. No gathered copy of ``t``'s columns and no
+    loop: in TensorFlow's graph the chunked gathers held about 290 MB more
+    at the step's peak on a 152 M-parameter LLM's int8 base (1 % of every
+    projection's elements; ``benchmarks/llm_memory.py``) and took several
+    times as long, as did ``tf.sparse.sparse_dense_matmul``, which takes the
+    pairs as a list (``benchmarks/sampled.py --scattered``). Half-precision
+    values are summed in float32 (the CSR product has no half-precision
+    kernel), as a matmul sums them. XLA has no sparse product: under
+    ``jit_compile=True``, the gathers.
     """
     if in_xla():
         return functional.scattered_product(t, values, take_at, add_at, width, chunk)
-    at = tf.stack([tf.cast(take_at, tf.int64), tf.cast(add_at, tf.int64)], axis=1)
-    matrix = tf.sparse.SparseTensor(at, tf.cast(values, t.dtype), (int(t.shape[1]), width))
-    return tf.transpose(tf.sparse.sparse_dense_matmul(matrix, t, adjoint_a=True, adjoint_b=True))
+    dtype = t.dtype
+    wide = tf.float64 if dtype == tf.float64 else tf.float32
+    at = tf.stack([tf.cast(add_at, tf.int64), tf.cast(take_at, tf.int64)], axis=1)  # the matrix's transpose
+    shape = tf.constant([width, int(t.shape[1])], tf.int64)
+    pairs = tf.sparse.reorder(tf.sparse.SparseTensor(at, tf.cast(values, wide), shape))
+    matrix = tf.raw_ops.SparseTensorToCSRSparseMatrix(indices=pairs.indices, values=pairs.values, dense_shape=shape)
+    # (matrix^T t^T)^T with the transposes made here: the product's own flags took half as long again
+    out = tf.transpose(tf.raw_ops.SparseMatrixMatMul(a=matrix, b=tf.transpose(tf.cast(t, wide))))
+    return tf.cast(out, dtype)
 
 
 def sampled_dots(x, dy, flat, columns, order, chunk: int, window=None):
