@@ -6,10 +6,10 @@ kernel the plan trains in full (a new head stays float) and those inside a
 Keras ``MultiHeadAttention`` (Keras 3.15 saves them quantized but cannot load
 them back: ``load_model`` raises "expected 2 variables, but received 0").
 The plan's kernels then train as float deltas beside the integers, QLoRA's
-base. A delta file of such a run records which kernels were quantized and how; ``generate``,
-``verify`` and ``delta apply`` quantize a float base the same way before
-they use it (quantizing the same float weights the same way gives the same
-integers, which the delta's digests check).
+base. A delta file of such a run records which kernels were quantized and
+how; ``generate``, ``verify`` and ``delta apply`` quantize a float base the
+same way before they use it (quantizing the same float weights the same way
+gives the same integers, which the delta's digests check).
 """
 
 from __future__ import annotations

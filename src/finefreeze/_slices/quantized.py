@@ -126,7 +126,7 @@ def scattered_delta(op, x, values, flat, sampled, shape):
     @ops.custom_gradient
     def product(x, v, f):
         a, b = sampled.columns(f[:count])
-        x2, _ = _columns_of(sampled, x, sampled.x_spec, sampled.xk, sampled.width_x)
+        x2, back = _columns_of(sampled, x, sampled.x_spec, sampled.xk, sampled.width_x)
         y2 = chosen().scattered_product(x2, v, a, b, sampled.width_y, SAMPLED_CHUNK)
         y = _laid_out(sampled, x, y2)
 
@@ -134,7 +134,6 @@ def scattered_delta(op, x, values, flat, sampled, shape):
             if upstream is None:
                 (upstream,) = args
             dy2, _ = _columns_of(sampled, upstream, sampled.y_spec, sampled.yk, sampled.width_y)
-            _, back = _columns_of(sampled, x, sampled.x_spec, sampled.xk, sampled.width_x)
             dx = back(chosen().scattered_product(dy2, v, b, a, sampled.width_x, SAMPLED_CHUNK))
             dv = sampled.weight_gradient(x, upstream, f)
             return ops.cast(dx, x.dtype), ops.cast(dv, dtype), None
