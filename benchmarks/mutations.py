@@ -458,6 +458,20 @@ MUTATIONS = [
         "        return ops.convert_to_tensor(mark.standin)",
         "tests/test_quantized.py -k eager_step",
     ),
+    (
+        "PyTorch: the scattered elements' pairs handed to the sparse row matrix in the order they come",
+        "_backends/torch/__init__.py",
+        "    order = torch.argsort(rows * across + cols)",
+        "    order = torch.arange(rows.shape[0], device=rows.device)",
+        "KERAS_BACKEND=torch tests/test_backend_interface.py -k scattered_product",
+    ),
+    (
+        "PyTorch: the scattered elements' sparse product kept under torch.compile, which traces no sparse tensor",
+        "_backends/torch/__init__.py",
+        "    if torch.compiler.is_compiling():\n        return gathered.spread",
+        "    if False:\n        return gathered.spread",
+        "KERAS_BACKEND=torch tests/test_quantized.py -k sparse_product",
+    ),
 ]
 
 
