@@ -472,6 +472,13 @@ MUTATIONS = [
         "    if False:\n        return gathered.spread",
         "KERAS_BACKEND=torch tests/test_quantized.py -k sparse_product",
     ),
+    (
+        "TensorFlow: the sampled product's transpose of a layer's input made before its output's gradient exists",
+        "_backends/tensorflow/__init__.py",
+        "    with tf.control_dependencies([dy]):\n        x = tf.identity(x)\n",
+        "",
+        "tests/test_slices_sampled.py -k once_its_output",
+    ),
 ]
 
 
