@@ -241,7 +241,7 @@ def sampled_dots(x, dy, flat, columns, order, chunk: int, window=None):
     ``x`` (a layer's input, kept from the forward pass) is read once ``dy``
     exists (a control dependency): otherwise the executor may transpose
     every layer's input as soon as the backward pass starts, and hold each
-    transpose until that layer's product runs (about 100 MB of a 152 M
+    transpose until that layer's product runs (about 150 MB of a 152 M
     LLM's step at 1 % of every projection's elements;
     ``benchmarks/llm_memory.py``). ``tf.gather`` instead of
     ``keras.ops.take``, whose handling of negative indices (the columns
