@@ -458,6 +458,27 @@ MUTATIONS = [
         "        return ops.convert_to_tensor(mark.standin)",
         "tests/test_quantized.py -k eager_step",
     ),
+    (
+        "PyTorch: the scattered elements' pairs handed to the sparse row matrix in the order they come",
+        "_backends/torch/__init__.py",
+        "    order = torch.argsort(rows * across + cols)",
+        "    order = torch.arange(rows.shape[0], device=rows.device)",
+        "KERAS_BACKEND=torch tests/test_backend_interface.py -k scattered_product",
+    ),
+    (
+        "PyTorch: the scattered elements' sparse product kept under torch.compile, which traces no sparse tensor",
+        "_backends/torch/__init__.py",
+        "    if torch.compiler.is_compiling():\n        return gathered.spread",
+        "    if False:\n        return gathered.spread",
+        "KERAS_BACKEND=torch tests/test_quantized.py -k sparse_product",
+    ),
+    (
+        "TensorFlow: the sampled product's transpose of a layer's input made before its output's gradient exists",
+        "_backends/tensorflow/__init__.py",
+        "    with tf.control_dependencies([dy]):\n        x = tf.identity(x)\n",
+        "",
+        "tests/test_slices_sampled.py -k once_its_output",
+    ),
 ]
 
 

@@ -27,7 +27,8 @@ quantized kernel's step runs it (the backend's ``scattered_product``:
 ``x`` times the matrix that is the delta at 1 % of the 152 M LLM's kernel
 shapes, 512 tokens, and the input's gradient from ``dy``) against the same
 product in ``keras.ops`` (``functional.scattered_product``, the gathers)
-and, on TensorFlow, ``tf.sparse.sparse_dense_matmul``, side by side in
+and, on TensorFlow, ``tf.sparse.sparse_dense_matmul`` (on PyTorch, the
+gathers summed by ``index_add_``), side by side in
 interleaved rounds; the largest difference from the gathers' result.
 
     python benchmarks/sampled.py --scattered --rounds 9
@@ -161,6 +162,14 @@ def scattered(a) -> None:
             return tf.transpose(tf.sparse.sparse_dense_matmul(matrix, t, adjoint_a=True, adjoint_b=True))
 
         variants["tf.sparse.sparse_dense_matmul"] = listed
+    if backend == "torch":
+        from finefreeze._backends import gathered
+        from finefreeze._backends import torch as torch_backend
+
+        def added(t, v, p, q, w):  # the gathers, summed by ``index_add_``
+            return gathered.spread(t, v, p, q, w, SAMPLED_CHUNK, torch_backend.transposed, torch_backend.add_rows)
+
+        variants["gathers, index_add_"] = added
     names = list(variants)
     print(f"## {backend}: x times a delta of 1 % scattered elements, and dy times its transpose, {tokens} tokens\n")
     print("| kernel | pairs | " + " | ".join(f"{n}, ms" for n in names) + " | / gathers | largest difference |")

@@ -297,10 +297,9 @@ def test_the_product_read_at_scattered_elements_is_the_dense_products_with_its_g
     np.testing.assert_allclose(dv, want_dk, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="XLA inside a TensorFlow graph (jit_compile)")
-def test_tensorflows_sparse_product_of_scattered_elements_gathers_under_xla_with_the_same_result():
-    import tensorflow as tf
-
+@pytest.mark.skipif(keras.backend.backend() == "jax", reason="JAX's product is the gathers: no sparse product")
+def test_the_sparse_product_of_scattered_elements_gathers_under_a_compiler_with_the_same_result():
+    """TensorFlow's XLA (``jit_compile``) has no sparse product; ``torch.compile`` traces no sparse tensor."""
     from finefreeze._backends.chosen import chosen
 
     rng = np.random.default_rng(4)
@@ -311,14 +310,23 @@ def test_tensorflows_sparse_product_of_scattered_elements_gathers_under_xla_with
     matrix = np.zeros((10, 6))
     matrix[take, add] = v
     want = t.astype(np.float64) @ matrix
+    v, take, add = (keras.ops.convert_to_tensor(a) for a in (v, take, add))  # the step's tensors
 
     def product(a):
         return chosen().scattered_product(a, v, take, add, 6, 16)  # 16 values: chunks of 2 pairs, in a loop
 
-    sparse = np.asarray(product(tf.constant(t)))
-    xla = np.asarray(tf.function(product, jit_compile=True)(tf.constant(t)))  # XLA has no sparse product
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        compiled = tf.function(product, jit_compile=True)
+    else:
+        import torch
+
+        compiled = torch.compile(product, fullgraph=True)  # fullgraph: a graph break raises
+    sparse = keras.ops.convert_to_numpy(product(keras.ops.convert_to_tensor(t)))
+    gathered = keras.ops.convert_to_numpy(compiled(keras.ops.convert_to_tensor(t)))
     np.testing.assert_allclose(sparse, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(xla, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gathered, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -413,6 +413,36 @@ def test_tensorflow_runs_the_chunks_one_after_another(monkeypatch):
     assert all(op.get_attr("parallel_iterations") == 1 for op in loops)
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TensorFlow's graph executor runs an operation once it can")
+def test_tensorflow_transposes_a_sampled_kernels_input_once_its_output_gradient_exists():
+    """The executor runs an operation as soon as its inputs exist: the transpose of ``x`` alone, every
+    layer's at the start of the backward pass, each held until its layer's product ran."""
+    import tensorflow as tf
+
+    from finefreeze._slices import sampled
+
+    flat = np.flatnonzero(SCATTERED).astype("int32")
+    product = sampled.Sampled("...a", "ab", "...b", (N, N), flat.size)
+    spec = tf.TensorSpec((None, N), tf.float32)
+    graph = tf.function(lambda x, dy: product.weight_gradient(x, dy, flat)).get_concrete_function(spec, spec).graph
+    x, dy = (t.op for t in graph.inputs[:2])
+
+    def waits_for(op) -> set:
+        """Every operation ``op`` waits for: its inputs' and its control inputs', all the way back."""
+        seen, todo = set(), [op]
+        while todo:
+            o = todo.pop()
+            for before in [t.op for t in o.inputs] + list(o.control_inputs):
+                if before not in seen:
+                    seen.add(before)
+                    todo.append(before)
+        return seen
+
+    of_x = [op for op in graph.get_operations() if op.type == "Transpose" and x in waits_for(op)]
+    assert of_x, "the product gathers rows of x's transpose"
+    assert all(dy in waits_for(op) for op in of_x), "x's transpose can run before dy exists"
+
+
 @pytest.mark.parametrize(
     "x_spec, k_spec, y_spec, transposed, variable_letters, order",
     [

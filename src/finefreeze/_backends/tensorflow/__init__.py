@@ -238,12 +238,20 @@ def scattered_product(t, values, take_at, add_at, width: int, chunk: int):
 def sampled_dots(x, dy, flat, columns, order, chunk: int, window=None):
     """``functional.sampled_dots`` with TensorFlow's ``map_in_turn`` (one chunk at a time) and ``tf.gather``.
 
-    ``tf.gather`` instead of ``keras.ops.take``, whose handling of negative
-    indices (the columns are never negative) was half the operations of
-    the loop's body: a graph's operations are memory for as long as the
-    step lives (about 10 kB each, in the traced function and the runtime's
-    copies), and every scattered kernel has its own product.
+    ``x`` (a layer's input, kept from the forward pass) is read once ``dy``
+    exists (a control dependency): otherwise the executor may transpose
+    every layer's input as soon as the backward pass starts, and hold each
+    transpose until that layer's product runs (about 150 MB of a 152 M
+    LLM's step at 1 % of every projection's elements;
+    ``benchmarks/llm_memory.py``). ``tf.gather`` instead of
+    ``keras.ops.take``, whose handling of negative indices (the columns
+    are never negative) was half the operations of the loop's body: a
+    graph's operations are memory for as long as the step lives (about
+    10 kB each, in the traced function and the runtime's copies), and every
+    scattered kernel has its own product.
     """
+    with tf.control_dependencies([dy]):
+        x = tf.identity(x)
     return gathered.gathered_dots(
         x, dy, flat, columns, chunk, functional.transposed, map_in_turn, tf.gather, order, window, _cut
     )
