@@ -39,7 +39,9 @@ products (1 % of a 1,024 x 1,024-ish kernel each, a width of its own, 512
 tokens), compiled in a process of its own for ``K`` = 1 and 32: the
 resident memory it leaves, its peak while compiling (``VmHWM`` started over
 before), and the optimized program's instructions; per product, the
-difference over the 31 more.
+difference over the 31 more. Then the same 32 products of one shape (the
+layers of a model, whose kernels repeat): XLA compiles a kernel once for
+every product that has it.
 
     KERAS_BACKEND=jax python benchmarks/sampled.py --compiled
 """
@@ -201,8 +203,11 @@ def scattered(a) -> None:
         )
 
 
-def compiled(count: int) -> dict:
-    """Compile ``count`` sampled products in one jitted program; the memory it took (MB) and its instructions."""
+def compiled(count: int, same: bool = False) -> dict:
+    """Compile ``count`` sampled products in one jitted program; the memory it took (MB) and its instructions.
+
+    ``same``: every product of one shape (else a width of its own each).
+    """
     import ctypes
     import gc
     import inspect
@@ -219,7 +224,7 @@ def compiled(count: int) -> dict:
 
     rng = np.random.default_rng(0)
     tokens, n_in = 512, 1024
-    widths = [1024 + k for k in range(count)]  # a shape of its own each: nothing shared between them
+    widths = [1024 + (0 if same else k) for k in range(count)]  # a shape each: nothing shared between them
     xs = [jax.numpy.asarray(rng.normal(size=(tokens, n_in)).astype("float32")) for _ in widths]
     dys = [jax.numpy.asarray(rng.normal(size=(tokens, w)).astype("float32")) for w in widths]
     index = [
@@ -249,7 +254,7 @@ def compiled(count: int) -> dict:
     text = program.as_text()
     held = status("VmRSS:") - before
     lines = sum(1 for line in text.splitlines() if line.lstrip().startswith(("%", "ROOT %")) and " = " in line)
-    return {"products": count, "held_mb": held, "peak_mb": peak, "instructions": lines}
+    return {"products": count, "same": same, "held_mb": held, "peak_mb": peak, "instructions": lines}
 
 
 def compiled_table() -> None:
@@ -257,22 +262,24 @@ def compiled_table() -> None:
     import subprocess
 
     rows = []
-    for count in (1, 32):
-        got = subprocess.run(
-            [sys.executable, __file__, "--compiled-child", str(count)], capture_output=True, text=True, check=True
-        )
+    for count, same in ((1, False), (32, False), (32, True)):
+        cmd = [sys.executable, __file__, "--compiled-child", str(count)] + (["--same-shape"] if same else [])
+        got = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(got.stdout.strip().splitlines()[-1]))
-    one, many = rows
-    n = many["products"] - one["products"]
+    one = rows[0]
     print("## jax: sampled products compiled in one program (1 % of 1,024 x ~1,024 each, 512 tokens)\n")
     print("| products | held MB | peak MB while compiling | instructions |")
     print("| --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['products']} | {r['held_mb']:.1f} | {r['peak_mb']:.1f} | {r['instructions']:,} |")
-    print(
-        f"| per product | {(many['held_mb'] - one['held_mb']) / n:.2f} | {(many['peak_mb'] - one['peak_mb']) / n:.2f} "
-        f"| {(many['instructions'] - one['instructions']) / n:.0f} |"
-    )
+        shapes = "one shape" if r["same"] else "a shape each"
+        print(f"| {r['products']}, {shapes} | {r['held_mb']:.1f} | {r['peak_mb']:.1f} | {r['instructions']:,} |")
+    for many in rows[1:]:
+        n = many["products"] - one["products"]
+        shapes = "one shape" if many["same"] else "a shape each"
+        print(
+            f"| per product, {shapes} | {(many['held_mb'] - one['held_mb']) / n:.2f} "
+            f"| {(many['peak_mb'] - one['peak_mb']) / n:.2f} | {(many['instructions'] - one['instructions']) / n:.0f} |"
+        )
 
 
 def main():
@@ -286,11 +293,12 @@ def main():
     ap.add_argument("--scattered", action="store_true", help="the product with a delta of scattered elements")
     ap.add_argument("--compiled", action="store_true", help="JAX: memory and instructions XLA compiles per product")
     ap.add_argument("--compiled-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--same-shape", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.compiled_child:
         import json
 
-        return print(json.dumps(compiled(a.compiled_child)))
+        return print(json.dumps(compiled(a.compiled_child, a.same_shape)))
     if a.compiled:
         return compiled_table()
     threads(a.threads)
