@@ -41,7 +41,7 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     meta_vars = {}
     res = frz._res
     # a quantized kernel's scales and zero points are its integers' companions: checked, never written
-    constants = {id(v) for st in res.states if st.info.quantized for v in quantized_values(st.info.owner)}
+    constants = {id(v) for st in res.states if st.info.quantized for v in quantized_values(st.info.owner, st.variable)}
     for st in res.states:
         p, var, kind, mask = st.path, st.variable, res.kind_of(st), st.mask
         kind = "frozen" if kind == "untrained" and id(var) in constants else kind
