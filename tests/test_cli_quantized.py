@@ -185,3 +185,30 @@ def test_an_int4_run_verifies_against_its_float_preset(run, tmp_path, capsys):
     assert main([*argv, "-q"]) == 0
     assert main(["verify", str(root / "preset"), str(tmp_path / "out" / "tuned.keras")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK: all 3,456 frozen elements")
+
+
+def test_an_untied_llamas_new_token_rows_and_output_columns_train_on_an_int8_base_and_generate_takes_them(
+    tmp_path, capsys
+):
+    causal_lms.make_preset(tmp_path / "preset", "llama")
+    (tmp_path / "corpus.txt").write_text("\n".join(causal_lms.CORPUS) + "\n")
+    vocab = causal_lms.task("llama", preprocessor=False).backbone.vocabulary_size
+    plan = ff.Plan([
+        ff.freeze("**"),
+        ff.train(f"token_embedding/embeddings[{vocab - 4}:]"),
+        ff.train(f"token_embedding/reverse_embeddings[:, {vocab - 4}:]"),
+    ])  # fmt: skip
+    plan.save(tmp_path / "plan.json")
+    args = _finetune_args(tmp_path, tmp_path / "out", epochs=2) + ["--plan", str(tmp_path / "plan.json")]
+    assert main(args) == 0
+    capsys.readouterr()
+    delta = str(tmp_path / "out" / "delta.safetensors")
+    quantized = delta_quantization(delta)
+    assert quantized["token_embedding/reverse_embeddings"] == quantized["token_embedding/embeddings"] == "int8"
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    trained = {v["path"] for v in report["variables"] if v["state"] == "partial"}
+    assert trained == {"token_embedding/embeddings", "token_embedding/reverse_embeddings"}
+    sample = report["finetune"]["sample"]
+    assert main(["generate", str(tmp_path / "preset"), sample["prompt"], "--delta", delta, "--max-length", SEQ]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == sample["after"]
+    assert main(["verify", str(tmp_path / "preset"), str(tmp_path / "out" / "tuned.keras")]) == 0

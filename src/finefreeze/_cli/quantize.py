@@ -29,6 +29,15 @@ def _quantizable(layer):
     return v if v is not None else embeddings_variable(layer)
 
 
+def _quantized_with(layer) -> list:
+    """Every variable Keras quantizes with ``layer``: its kernel or table, and an untied output table."""
+    v = _quantizable(layer)
+    if v is None:
+        return []
+    reverse = None if getattr(layer, "tie_weights", True) else getattr(layer, "reverse_embeddings", None)
+    return [v] if reverse is None else [v, reverse]
+
+
 def _quantize(model, mode: str, keep) -> None:
     """``model.quantize(mode)`` on the layers ``keep(layer)`` accepts; Keras' notes on layers it skips, quiet."""
     with warnings.catch_warnings():
@@ -86,7 +95,10 @@ def quantize_base(model, plan, mode: str) -> tuple[int, str]:
         return True
 
     _quantize(model, mode, keep)
-    done = len(quantized_kernels(model))
+    from finefreeze._keras.layers import all_layers
+    from finefreeze._keras.quantized import is_quantized
+
+    done = sum(1 for layer in all_layers(model, include_self=False) if is_quantized(layer) and _quantizable(layer) is not None)
     if not done:
         raise UserError(
             f"--quantize {mode}: no layer of the model was quantized (Keras quantizes Dense, EinsumDense and "
@@ -98,15 +110,14 @@ def quantize_base(model, plan, mode: str) -> tuple[int, str]:
 
 
 def quantized_kernels(model) -> dict[str, str]:
-    """``{kernel path: mode}`` of every quantized layer of ``model``."""
+    """``{kernel path: mode}`` of every quantized layer of ``model`` (an untied output table's too)."""
     from finefreeze._keras.layers import all_layers
     from finefreeze._keras.quantized import is_quantized
 
     out = {}
     for layer in all_layers(model, include_self=False):
         mode = is_quantized(layer)
-        kernel = _quantizable(layer) if mode is not None else None
-        if kernel is not None:
+        for kernel in _quantized_with(layer) if mode is not None else []:
             out[kernel.path] = mode
     return out
 
@@ -126,8 +137,7 @@ def quantize_as(model, kernels: dict[str, str], source: str) -> None:
 
     by_path = {}
     for layer in all_layers(model, include_self=False):
-        kernel = _quantizable(layer)
-        if kernel is not None:
+        for kernel in _quantized_with(layer):
             by_path[kernel.path] = layer
     missing = sorted(p for p in kernels if p not in by_path)
     if missing:
