@@ -98,7 +98,9 @@ def quantize_base(model, plan, mode: str) -> tuple[int, str]:
     from finefreeze._keras.layers import all_layers
     from finefreeze._keras.quantized import is_quantized
 
-    done = sum(1 for layer in all_layers(model, include_self=False) if is_quantized(layer) and _quantizable(layer) is not None)
+    done = sum(
+        1 for layer in all_layers(model, include_self=False) if is_quantized(layer) and _quantizable(layer) is not None
+    )
     if not done:
         raise UserError(
             f"--quantize {mode}: no layer of the model was quantized (Keras quantizes Dense, EinsumDense and "
