@@ -691,7 +691,7 @@ def test_logical_shape(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_an_untied_output_tables_integers_shape_and_values(mode):
+def test_reverse_table(mode):  # an untied output table: its integers, logical shape and scales
     table = keras.layers.ReversibleEmbedding(10, 6, tie_weights=False)
     table.build((None,))
     assert quantized.reverse_table(table) is None  # a float table's is Keras' own variable, trained as it is
