@@ -493,6 +493,20 @@ MUTATIONS = [
         "            return logits",
         "tests/test_quantized.py -k untied_quantized_output_tables_new_columns",
     ),
+    (
+        "a quantized kernel's float delta in the model left unchecked when another delta is applied",
+        "_files/entries.py",
+        "        if e.quantized is not None:\n            _refuse_other_delta(source, p, vi, e)\n",
+        "",
+        "tests/test_quantized.py -k another_deltas",
+    ),
+    (
+        "delta export of a quantized run's .keras file: its deltas, which the file does not hold, written as zeros",
+        "_cli/deltas.py",
+        "    _refuse_quantized_export(frz, args.tuned)\n",
+        "",
+        "tests/test_cli_quantized.py -k delta_apply_export",
+    ),
 ]
 
 

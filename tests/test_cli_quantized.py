@@ -98,22 +98,23 @@ def test_generate_takes_the_delta_with_the_preset_or_the_tuned_file(run, capsys)
     assert generate(tuned, "--delta", delta) == sample["after"]
 
 
-def test_verify_passes_and_delta_apply_and_generate_without_the_delta_are_refused(run, tmp_path, capsys):
+def test_verify_passes_and_delta_apply_export_and_generate_without_the_delta_are_refused(run, tmp_path, capsys):
     root, _, _ = run
     preset, tuned, delta = (str(root / p) for p in ("preset", "out/tuned.keras", "out/delta.safetensors"))
     assert main(["verify", preset, tuned]) == 0
     assert capsys.readouterr().out.startswith("OK: all 3,456 frozen elements")
 
-    rebuilt = tmp_path / "rebuilt.keras"
+    rebuilt, exported = tmp_path / "rebuilt.keras", tmp_path / "exported.safetensors"
     for argv, message in [
         (["delta", "apply", preset, delta, "-o", str(rebuilt)], "quantized to int8: its kernels' trained values"),
         (["generate", tuned, "the cat"], "pass the run's delta file, --delta delta.safetensors"),
+        (["delta", "export", tuned, "-o", str(exported)], "an export would write zeros: the run's delta file"),
     ]:
         assert main(argv) == 2
         out = capsys.readouterr()
         assert out.out == "" and len(out.err.strip().splitlines()) == 1, out.err
         assert out.err.startswith(f"finefreeze {argv[0]}") and message in out.err, out.err
-    assert not rebuilt.exists()
+    assert not rebuilt.exists() and not exported.exists()
 
 
 def test_a_mode_keras_does_not_offer_is_refused_by_the_parser(run, capsys):

@@ -568,6 +568,38 @@ def test_an_untied_quantized_output_tables_new_columns_train_as_a_delta_of_their
         assert np.array_equal(np.asarray(served.predict(x, verbose=0)), want), name
 
 
+def test_a_delta_is_refused_by_a_quantized_model_that_holds_another_deltas_values(tmp_path):
+    m, table = _untied("int8")
+    x = np.random.default_rng(2).integers(0, 20, (8, 6)).astype("int32")
+    y0 = np.asarray(m.predict(x, verbose=0))
+    paths = {}
+    for name, rule in (("rows", "tok/embeddings[-3:]"), ("columns", "tok/reverse_embeddings[:, -2:]")):
+        trained, _ = _untied("int8")
+        frz = ff.Freezer(trained, [ff.freeze("**"), ff.train(rule)])
+        mark = (
+            trained.get_layer("tok")._finefreeze_sliced
+            if name == "rows"
+            else trained.get_layer("tok")._finefreeze_sliced_reverse
+        )
+        mark.standin.assign(np.full(mark.standin.shape, 0.5, "float32"))
+        paths[name] = tmp_path / f"{name}.safetensors"
+        frz.save_delta(paths[name])
+        del frz
+    ff.load_delta(m, paths["rows"])
+    tuned = np.asarray(m.predict(x, verbose=0))
+    assert not np.array_equal(tuned, y0)
+    with pytest.raises(ff.DeltaError, match=r"'tok/embeddings' .* holds a float delta of trained values at 24 "):
+        ff.load_delta(m, paths["columns"])  # its base has no delta on the table's rows: the two would add up
+    with pytest.raises(ff.DeltaError, match=r"not the base the delta was trained on"):
+        ff.DeltaSwitch(m, {"columns": paths["columns"]})
+    assert np.array_equal(np.asarray(m.predict(x, verbose=0)), tuned)  # refused: nothing changed
+    ff.load_delta(m, paths["rows"])  # the same delta again: its own elements, rewritten
+    assert np.array_equal(np.asarray(m.predict(x, verbose=0)), tuned)
+    switch = ff.DeltaSwitch(_untied("int8")[0], paths)  # on the base alone, both switch in turn
+    for name in ("rows", "columns", None):
+        switch.use(name)
+
+
 def test_an_untied_quantized_tables_rows_leave_the_logits_to_the_output_table():
     m, table = _untied("int8")
     ff.Freezer(m, [ff.freeze("**"), ff.train("tok/embeddings[-3:]")])

@@ -40,11 +40,31 @@ def cmd_delta_export(args) -> int:
     from finefreeze._freezer.freezer import Freezer
 
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
+    model = load_model(args.tuned)
+    frz = Freezer(model, plan)
+    _refuse_quantized_export(frz, args.tuned)
     with atomic_path(out, force=args.force) as tmp:
-        frz = Freezer(load_model(args.tuned), plan)
         info = frz.save_delta(tmp)
     print(f"wrote {out}: {info['tensors']} tensors, {info['bytes']:,} bytes")
     return 0
+
+
+def _refuse_quantized_export(frz, path: str) -> None:
+    """Raise :class:`UserError` when the plan trains a part of a quantized kernel of the ``.keras`` file at ``path``.
+
+    What trained of it is a float delta beside its integers, which a
+    ``.keras`` file does not hold: an export would write zeros.
+    """
+    from finefreeze._resolve.resolve import PARTIAL
+
+    res = frz._res
+    trained = [s.path for s in res.states if s.info.quantized is not None and res.kind_of(s) == PARTIAL]
+    if trained:
+        raise UserError(
+            f"{path!r} holds a quantized base whose kernels trained float deltas ({trained[0]!r} and "
+            f"{len(trained) - 1} more), which a .keras file does not hold, so an export would write zeros: the "
+            "run's delta file (delta.safetensors in the same run folder) is its delta"
+        )
 
 
 def cmd_delta_apply(args) -> int:

@@ -140,8 +140,9 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
             if any(quantized(layer, want[(id(layer), name)][2]) for name in MARKS if (id(layer), name) in want):
                 raise PlanError(
                     f"two live Freezers plan {layer.path!r}, whose kernel is quantized: what trains of it is one "
-                    "float delta beside the integers, which one plan's optimizer owns. Plan it in one Freezer "
-                    "(drop the other: del frz; or freeze the kernel in its plan)."
+                    "float delta beside the integers, which one plan's optimizer owns, and each Freezer plans every "
+                    "layer of its model (a layer one of them freezes too). Train both parts in one Freezer's plan, "
+                    "or drop the other Freezer first (del frz)."
                 )
             for name in MARKS:
                 want.pop((id(layer), name), None)

@@ -10,6 +10,7 @@ element, as into any variable.
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 
 from finefreeze._errors import PlanError
@@ -19,7 +20,7 @@ from finefreeze._slices.calls import _give_call, _take_call
 from finefreeze._slices.choose import choose, kernel_shape, mark_name, mark_of
 from finefreeze._slices.quantized import carry, delta_kept
 
-__all__ = ["delta_elements", "foreign_delta", "hold_delta", "refuse_requantized", "retrace"]
+__all__ = ["delta_elements", "delta_values", "foreign_delta", "hold_delta", "refuse_requantized", "retrace"]
 
 
 def refuse_requantized(res) -> None:
@@ -79,6 +80,14 @@ def delta_elements(layer, variable) -> np.ndarray | None:
     if mark is None or not mark.quantized or mark.holder is None:
         return None
     return mark.index
+
+
+def delta_values(layer, variable) -> tuple[np.ndarray, np.ndarray] | None:
+    """A quantized kernel's float delta as it is now, ``(sorted flat indices, values)``, or None (it has none)."""
+    index = delta_elements(layer, variable)
+    if index is None:
+        return None
+    return index, np.asarray(keras.ops.convert_to_numpy(mark_of(layer, variable).standin))
 
 
 def hold_delta(layer, variable, trained: np.ndarray):
