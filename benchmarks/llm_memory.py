@@ -478,7 +478,7 @@ def time_table(a) -> None:
             per[v].append((time.perf_counter() - t0) / a.steps)
     base = "floor" if "floor" in per else chosen[0]
     print(
-        f"\n{keras.backend.backend()}, {a.size}, {a.dtype}, base {a.quantize}: step time, {a.rounds} interleaved "
+        f"\n{keras.backend.backend()}, {a.size}{', untied' if a.untied else ''}, {a.dtype}, base {a.quantize}: step time, {a.rounds} interleaved "
         f"rounds x {a.steps} steps"
     )
     ref = "lora-all" if "lora-all" in per else "lora"  # LoRA on the projections the variants train, where run
