@@ -165,7 +165,7 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     return changed
 
 
-def standin_value(mark):
+def _standin_value(mark):
     """``() -> the value of mark's stand-in`` (a read of the variable: TensorFlow's eager custom gradient asks for a
     variable's own gradient)."""
 
@@ -232,7 +232,7 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     def now() -> bool:
         return slicing() and mark.now()
 
-    standin = standin_value(mark)
+    standin = _standin_value(mark)
     index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind in SAMPLED_KINDS else (lambda: None)
     if q and isinstance(layer, keras.layers.Embedding):  # its quantized_call reads the parts of each of its marks
         mark.parts = table_parts(layer, ks, taken, standin, index)
