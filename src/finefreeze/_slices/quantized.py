@@ -25,6 +25,12 @@ kernel's logical (float) shape, computed for what trains only:
   ``dy``, and the delta's gradient the sampled product: no value of the
   kernel's shape exists in the step.
 
+A quantized ``Embedding`` (or ``ReversibleEmbedding``) table trains rows
+(new tokens) the same way, added to their lookups (and a tied table's
+logits); an untied ``ReversibleEmbedding``'s output table, quantized on its
+own, has a delta of its own (a second mark of the layer), added to the
+logits as a ``Dense`` kernel's is to ``y`` (:func:`table_call`).
+
 Example:
     >>> import keras, numpy as np
     >>> d = keras.layers.Dense(4); d.build((None, 3)); d.quantize("int8")
