@@ -503,7 +503,7 @@ MUTATIONS = [
     (
         "delta export of a quantized run's .keras file: its deltas, which the file does not hold, written as zeros",
         "_cli/deltas.py",
-        "    _refuse_quantized_export(frz, args.tuned)\n",
+        "    refuse_trained_deltas(frz._res, args.tuned, zeros)\n",
         "",
         "tests/test_cli_quantized.py -k delta_apply_export",
     ),

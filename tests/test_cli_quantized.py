@@ -108,7 +108,10 @@ def test_verify_passes_and_delta_apply_export_and_generate_without_the_delta_are
     for argv, message in [
         (["delta", "apply", preset, delta, "-o", str(rebuilt)], "quantized to int8: its kernels' trained values"),
         (["generate", tuned, "the cat"], "pass the run's delta file, --delta delta.safetensors"),
-        (["delta", "export", tuned, "-o", str(exported)], "an export would write zeros: the run's delta file"),
+        (
+            ["delta", "export", tuned, "-o", str(exported)],
+            "an export would write zeros; the run's delta file is delta.safetensors",
+        ),
     ]:
         assert main(argv) == 2
         out = capsys.readouterr()

@@ -19,7 +19,7 @@ import numpy as np
 from finefreeze._cli.inputs import base_model, check_model_file, load_model, load_plan
 from finefreeze._cli.parser import EXPORTED, REBUILT
 from finefreeze._cli.presets import is_causal_preset
-from finefreeze._cli.quantize import quantize_as
+from finefreeze._cli.quantize import quantize_as, refuse_trained_deltas
 from finefreeze._files.atomic import UserError, atomic_path, check_output, refuse_overwrite
 
 __all__ = ["cmd_delta_export", "cmd_delta_apply", "freezer_of_deltas"]
@@ -42,29 +42,13 @@ def cmd_delta_export(args) -> int:
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
     model = load_model(args.tuned)
     frz = Freezer(model, plan)
-    _refuse_quantized_export(frz, args.tuned)
+    # a quantized run's deltas are not in its .keras file: an export would write them as zeros
+    zeros = "an export would write zeros; the run's delta file is delta.safetensors"
+    refuse_trained_deltas(frz._res, args.tuned, zeros)
     with atomic_path(out, force=args.force) as tmp:
         info = frz.save_delta(tmp)
     print(f"wrote {out}: {info['tensors']} tensors, {info['bytes']:,} bytes")
     return 0
-
-
-def _refuse_quantized_export(frz, path: str) -> None:
-    """Raise :class:`UserError` when the plan trains a part of a quantized kernel of the ``.keras`` file at ``path``.
-
-    What trained of it is a float delta beside its integers, which a
-    ``.keras`` file does not hold: an export would write zeros.
-    """
-    from finefreeze._resolve.resolve import PARTIAL
-
-    res = frz._res
-    trained = [s.path for s in res.states if s.info.quantized is not None and res.kind_of(s) == PARTIAL]
-    if trained:
-        raise UserError(
-            f"{path!r} holds a quantized base whose kernels trained float deltas ({trained[0]!r} and "
-            f"{len(trained) - 1} more), which a .keras file does not hold, so an export would write zeros: the "
-            "run's delta file (delta.safetensors in the same run folder) is its delta"
-        )
 
 
 def cmd_delta_apply(args) -> int:

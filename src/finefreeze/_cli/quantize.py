@@ -18,7 +18,14 @@ import warnings
 
 from finefreeze._files.atomic import UserError
 
-__all__ = ["quantize_base", "quantize_as", "quantized_kernels", "delta_quantization", "refuse_without_delta"]
+__all__ = [
+    "quantize_base",
+    "quantize_as",
+    "quantized_kernels",
+    "delta_quantization",
+    "refuse_trained_deltas",
+    "refuse_without_delta",
+]
 
 
 def _quantizable(layer):
@@ -173,7 +180,7 @@ def refuse_without_delta(model, path: str) -> None:
     base's.
     """
     from finefreeze._cli.inputs import plan_from_keras_file
-    from finefreeze._resolve.resolve import PARTIAL, resolve
+    from finefreeze._resolve.resolve import resolve
     from finefreeze._resolve.targets import collect
 
     kernels = quantized_kernels(model)
@@ -184,10 +191,20 @@ def refuse_without_delta(model, path: str) -> None:
         res = resolve(plan, collect(model))
     except Exception:  # a plan that no longer resolves: nothing to say about deltas
         return
+    refuse_trained_deltas(res, path, "pass the run's delta file, --delta delta.safetensors (from the same run folder)")
+
+
+def refuse_trained_deltas(res, path: str, fix: str) -> None:
+    """Raise :class:`UserError` when ``res`` trains a part of a quantized kernel of the ``.keras`` file at ``path``.
+
+    What trained of it is a float delta beside its integers, which a
+    ``.keras`` file does not hold; ``fix`` ends the message.
+    """
+    from finefreeze._resolve.resolve import PARTIAL
+
     trained = [s.path for s in res.states if s.info.quantized is not None and res.kind_of(s) == PARTIAL]
     if trained:
         raise UserError(
             f"{path!r} holds a quantized base whose kernels trained float deltas ({trained[0]!r} and "
-            f"{len(trained) - 1} more), which a .keras file does not hold: pass the run's delta file, "
-            "--delta delta.safetensors (from the same run folder)"
+            f"{len(trained) - 1} more), which a .keras file does not hold: {fix}"
         )
