@@ -125,8 +125,9 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
             bytes), a tensor missing, extra or of another dtype or shape, a
             variable missing from the base or of another shape or dtype, a
             base whose frozen part differs from the one the delta was trained
-            on, or a failed write (the base is restored). The message names
-            the tensor or variable.
+            on (a quantized kernel's: a float delta of values where the file
+            has none), or a failed write (the base is restored). The message
+            names the tensor or variable.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff, tempfile, os
