@@ -14,7 +14,8 @@ Variants (trained elements at the default size in brackets):
 - ``lora-all``: ``enable_lora(8)`` on every projection ``columns`` trains (query, key, value,
   attention output and the three feed-forward kernels): what LoRA pays where it trains the same
   layers, whose weight gradients need each layer's input kept from the forward pass;
-- ``rows``: the tied embedding's last 100 rows (new tokens) and the norms;
+- ``rows``: the tied embedding's last 100 rows (new tokens) and the norms (``--untied``: and the
+  output table's last 100 columns);
 - ``columns``: 1 % of the output columns (the last axis) of every kernel, and the norms;
 - ``columns-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``scattered``: 1 % of the elements of every kernel, drawn at random, and the norms;
@@ -49,6 +50,10 @@ weight: its ``1 - beta_2 ** step`` rounds to 0 in bfloat16).
     python benchmarks/llm_memory.py --time --rounds 5      # step times, interleaved in one process
     python benchmarks/llm_memory.py --size 1b --dtype bfloat16   # a 1.1 B-parameter config (a GPU's memory)
     python benchmarks/llm_memory.py --size tiny --steps 2        # a smoke test of the script (below)
+    python benchmarks/llm_memory.py --untied --quantize int8 --only floor,lora-all,rows   # Llama-shaped, untied
+
+``--untied``: a ``LlamaBackbone`` of the same sizes (no ``head_dim``: hidden / 8 heads, the same 128)
+whose logits are its own output table (``tie_word_embeddings=False``, ``reverse_embeddings``).
 
 ``--size tiny`` checks that every variant runs; its figures mean nothing:
 full fine-tuning is a few MB above the floor (the excess divides by that),
@@ -102,6 +107,11 @@ NORMS = ["**/*norm*/scale"]
 SELECT = dict(include=NORMS, exclude="**/token_embedding/**", spread="kind")
 #: the decoder's projections (every kernel ``columns`` and ``scattered`` train)
 PROJECTIONS = ["query", "key", "value", "attention_output", "ffw_gating", "ffw_gating_2", "ffw_linear"]
+#: the same of a Llama decoder (``--untied``)
+LLAMA_PROJECTIONS = [
+    "query", "key", "value", "attention_output",
+    "feedforward_gate_dense", "feedforward_intermediate_dense", "feedforward_output_dense",
+]  # fmt: skip
 
 
 def enable_lora(backbone, variant: str) -> None:
@@ -109,11 +119,13 @@ def enable_lora(backbone, variant: str) -> None:
     if variant == "lora":
         backbone.enable_lora(8)
     elif variant == "lora-all":
-        backbone.enable_lora(8, target_layer_names=PROJECTIONS)
+        llama = type(backbone).__name__ == "LlamaBackbone"
+        backbone.enable_lora(8, target_layer_names=LLAMA_PROJECTIONS if llama else PROJECTIONS)
 
 
-def build(size: str, dtype: str, remat: bool = False):
-    """The Gemma-shaped LM (tied logits); ``remat``: each decoder block rematerialized (``keras.RematScope``)."""
+def build(size: str, dtype: str, remat: bool = False, untied: bool = False):
+    """The Gemma-shaped LM (tied logits; ``untied``: Llama-shaped, its own output table); ``remat``: each
+    decoder block rematerialized (``keras.RematScope``)."""
     import contextlib
 
     import keras
@@ -124,7 +136,13 @@ def build(size: str, dtype: str, remat: bool = False):
     blocks = [f"decoder_block_{i}" for i in range(SIZES[size]["num_layers"])]
     scope = keras.RematScope(mode="list_of_layers", layer_names=blocks) if remat else contextlib.nullcontext()
     with scope:
-        backbone = keras_hub.models.GemmaBackbone(num_query_heads=8, num_key_value_heads=1, **SIZES[size])
+        if untied:
+            config = {k: v for k, v in SIZES[size].items() if k != "head_dim"}
+            backbone = keras_hub.models.LlamaBackbone(
+                num_query_heads=8, num_key_value_heads=1, tie_word_embeddings=False, **config
+            )
+        else:
+            backbone = keras_hub.models.GemmaBackbone(num_query_heads=8, num_key_value_heads=1, **SIZES[size])
         h = backbone(backbone.input)
         logits = backbone.token_embedding(h, reverse=True)
         model = keras.Model(backbone.input, logits, name="lm")
@@ -162,7 +180,10 @@ def plan_for(variant: str, model, size: str, workdir: str):
     if variant == "floor":
         return ff.Plan(base)
     if variant == "rows":
-        return ff.Plan([*base, ff.train(f"token_embedding/embeddings[-{NEW_ROWS}:]")])
+        rules = [ff.train(f"token_embedding/embeddings[-{NEW_ROWS}:]")]
+        if any(v.path == "token_embedding/reverse_embeddings" for v in model.weights):  # untied: its own columns
+            rules.append(ff.train(f"token_embedding/reverse_embeddings[:, -{NEW_ROWS}:]"))
+        return ff.Plan(base + rules)
     if variant in ("columns", "columns-qv"):
         rules = []
         for v in kernels(model):
@@ -194,11 +215,11 @@ def child(a) -> dict:
 
     import finefreeze as ff
 
-    model, backbone = build(a.size, a.dtype, a.remat)
+    model, backbone = build(a.size, a.dtype, a.remat, a.untied)
     x, y = data(a.size)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     out = {"variant": a.variant, "backend": keras.backend.backend(), "size": a.size, "dtype": a.dtype}
-    out["quantize"], out["remat"] = a.quantize, a.remat
+    out["quantize"], out["remat"], out["untied"] = a.quantize, a.remat, a.untied
     out["stages_mb"] = stages = {"built": peak_mb()}
     out["parameters"] = int(sum(np.prod(v.shape) for v in model.weights))
     if a.variant == "select":
@@ -355,6 +376,7 @@ def run_child(variant: str, a) -> dict:
     cmd += ["--xla-memory"] if a.xla_memory else []
     cmd += ["--graph-ops"] if a.graph_ops else []
     cmd += ["--jit-compile", a.jit_compile, "--quantize", a.quantize] + (["--remat"] if a.remat else [])
+    cmd += ["--untied"] if a.untied else []
     got = subprocess.run(cmd, capture_output=True, text=True)
     if got.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{got.stderr[-4000:]}")
@@ -373,6 +395,7 @@ def memory_table(a) -> None:
     steady = {k: rows.get(k, {}).get("steady_mb") for k in ("floor", "full")}
     r0 = next(iter(rows.values()))
     remat = "each decoder block rematerialized, " if a.remat else ""
+    remat += "Llama-shaped, untied output table, " if a.untied else ""
     print(f"\n{r0['backend']}, {r0['size']} ({r0['parameters']:,} parameters), {r0['dtype']}, base {a.quantize}, "
           f"{remat}"
           f"batch {BATCH} x {TOKENS} tokens, Adam, {a.steps} steps, gradients={a.gradients!r}\n")  # fmt: skip
@@ -432,7 +455,7 @@ def time_table(a) -> None:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     models = {}
     for v in chosen:
-        model, backbone = build(a.size, a.dtype, a.remat)
+        model, backbone = build(a.size, a.dtype, a.remat, a.untied)
         plan = plan_for(v, model, a.size, a.workdir)
         if a.quantize != "none":
             backbone.quantize(a.quantize)
@@ -455,7 +478,7 @@ def time_table(a) -> None:
             per[v].append((time.perf_counter() - t0) / a.steps)
     base = "floor" if "floor" in per else chosen[0]
     print(
-        f"\n{keras.backend.backend()}, {a.size}, {a.dtype}, base {a.quantize}: step time, {a.rounds} interleaved "
+        f"\n{keras.backend.backend()}, {a.size}{', untied' if a.untied else ''}, {a.dtype}, base {a.quantize}: step time, {a.rounds} interleaved "
         f"rounds x {a.steps} steps"
     )
     ref = "lora-all" if "lora-all" in per else "lora"  # LoRA on the projections the variants train, where run
@@ -496,6 +519,7 @@ def main() -> None:
         "--jit-compile", default="auto", choices=["auto", "false"], help="Keras' jit_compile (false: no XLA)"
     )
     ap.add_argument("--remat", action="store_true", help="each decoder block rematerialized (keras.RematScope)")
+    ap.add_argument("--untied", action="store_true", help="a Llama-shaped LM with its own output table")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)

@@ -479,6 +479,34 @@ MUTATIONS = [
         "",
         "tests/test_slices_sampled.py -k once_its_output",
     ),
+    (
+        "a quantized untied table's new rows added to the logits as if the table were tied",
+        "_slices/quantized.py",
+        """    return lookup, (tied_logits if getattr(layer, "tie_weights", False) else None)""",
+        """    return lookup, tied_logits""",
+        "tests/test_quantized.py -k untied_quantized_tables_rows",
+    ),
+    (
+        "a quantized untied output table's delta left out of the logits",
+        "_slices/quantized.py",
+        "            return ops.add(logits, ops.cast(_product_delta(ops.matmul, h, ks, taken, standin, index), logits.dtype))",
+        "            return logits",
+        "tests/test_quantized.py -k untied_quantized_output_tables_new_columns",
+    ),
+    (
+        "a quantized kernel's float delta in the model left unchecked when another delta is applied",
+        "_files/entries.py",
+        "        if e.quantized is not None:\n            _refuse_other_delta(source, p, vi, e)\n",
+        "",
+        "tests/test_quantized.py -k another_deltas",
+    ),
+    (
+        "delta export of a quantized run's .keras file: its deltas, which the file does not hold, written as zeros",
+        "_cli/deltas.py",
+        "    refuse_trained_deltas(frz._res, args.tuned, zeros)\n",
+        "",
+        "tests/test_cli_quantized.py -k delta_apply_export",
+    ),
 ]
 
 

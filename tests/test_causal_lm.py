@@ -121,3 +121,28 @@ def test_three_deltas_switched_on_one_base_generate_each_task_tokens_exactly(fam
         assert np.array_equal(got, want), name
         answers[name] = got
     assert len({a.tobytes() for a in answers.values()}) > 1  # the tasks answer differently
+
+
+def test_new_tokens_of_a_quantized_untied_llama_train_both_tables_and_a_delta_file_serves_them(tmp_path):
+    lm = task("llama", preprocessor=False)
+    lm.quantize("int8")
+    data = token_batch(lm)
+    frz = ff.Freezer(lm, plan_for("new rows", lm, data))  # the token table's new rows and the output table's columns
+    table = lm.backbone.token_embedding
+    lm.compile(optimizer=frz.wrap(keras.optimizers.AdamW(1e-2)), sampler="greedy")
+    before = values(lm)
+    x, y, w = data
+    lm.fit(x, y, sample_weight=w, batch_size=4, epochs=2, verbose=0)
+    frz.verify()
+    after = values(lm)
+    assert all(np.array_equal(after[p], v) for p, v in before.items() if "_trained" not in p)  # every stored byte
+    for mark in (table._finefreeze_sliced, table._finefreeze_sliced_reverse):
+        assert np.count_nonzero(keras.ops.convert_to_numpy(mark.standin)) == 4 * lm.backbone.hidden_dim
+    frz.save_delta(tmp_path / "new-tokens.safetensors")
+    served = task("llama", preprocessor=False)
+    served.quantize("int8")
+    ff.load_delta(served, tmp_path / "new-tokens.safetensors")
+    served.compile(sampler="greedy")
+    assert np.array_equal(served.predict(x, verbose=0), lm.predict(x, verbose=0))  # the logits, bit for bit
+    want = lm.generate(token_prompt(), stop_token_ids=None)["token_ids"]
+    assert np.array_equal(served.generate(token_prompt(), stop_token_ids=None)["token_ids"], want)

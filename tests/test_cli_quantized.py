@@ -98,22 +98,26 @@ def test_generate_takes_the_delta_with_the_preset_or_the_tuned_file(run, capsys)
     assert generate(tuned, "--delta", delta) == sample["after"]
 
 
-def test_verify_passes_and_delta_apply_and_generate_without_the_delta_are_refused(run, tmp_path, capsys):
+def test_verify_passes_and_delta_apply_export_and_generate_without_the_delta_are_refused(run, tmp_path, capsys):
     root, _, _ = run
     preset, tuned, delta = (str(root / p) for p in ("preset", "out/tuned.keras", "out/delta.safetensors"))
     assert main(["verify", preset, tuned]) == 0
     assert capsys.readouterr().out.startswith("OK: all 3,456 frozen elements")
 
-    rebuilt = tmp_path / "rebuilt.keras"
+    rebuilt, exported = tmp_path / "rebuilt.keras", tmp_path / "exported.safetensors"
     for argv, message in [
         (["delta", "apply", preset, delta, "-o", str(rebuilt)], "quantized to int8: its kernels' trained values"),
         (["generate", tuned, "the cat"], "pass the run's delta file, --delta delta.safetensors"),
+        (
+            ["delta", "export", tuned, "-o", str(exported)],
+            "an export would write zeros; the run's delta file is delta.safetensors",
+        ),
     ]:
         assert main(argv) == 2
         out = capsys.readouterr()
         assert out.out == "" and len(out.err.strip().splitlines()) == 1, out.err
         assert out.err.startswith(f"finefreeze {argv[0]}") and message in out.err, out.err
-    assert not rebuilt.exists()
+    assert not rebuilt.exists() and not exported.exists()
 
 
 def test_a_mode_keras_does_not_offer_is_refused_by_the_parser(run, capsys):
@@ -185,3 +189,30 @@ def test_an_int4_run_verifies_against_its_float_preset(run, tmp_path, capsys):
     assert main([*argv, "-q"]) == 0
     assert main(["verify", str(root / "preset"), str(tmp_path / "out" / "tuned.keras")]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK: all 3,456 frozen elements")
+
+
+def test_an_untied_llamas_new_token_rows_and_output_columns_train_on_an_int8_base_and_generate_takes_them(
+    tmp_path, capsys
+):
+    causal_lms.make_preset(tmp_path / "preset", "llama")
+    (tmp_path / "corpus.txt").write_text("\n".join(causal_lms.CORPUS) + "\n")
+    vocab = causal_lms.task("llama", preprocessor=False).backbone.vocabulary_size
+    plan = ff.Plan([
+        ff.freeze("**"),
+        ff.train(f"token_embedding/embeddings[{vocab - 4}:]"),
+        ff.train(f"token_embedding/reverse_embeddings[:, {vocab - 4}:]"),
+    ])  # fmt: skip
+    plan.save(tmp_path / "plan.json")
+    args = _finetune_args(tmp_path, tmp_path / "out", epochs=2) + ["--plan", str(tmp_path / "plan.json")]
+    assert main(args) == 0
+    capsys.readouterr()
+    delta = str(tmp_path / "out" / "delta.safetensors")
+    quantized = delta_quantization(delta)
+    assert quantized["token_embedding/reverse_embeddings"] == quantized["token_embedding/embeddings"] == "int8"
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    trained = {v["path"] for v in report["variables"] if v["state"] == "partial"}
+    assert trained == {"token_embedding/embeddings", "token_embedding/reverse_embeddings"}
+    sample = report["finetune"]["sample"]
+    assert main(["generate", str(tmp_path / "preset"), sample["prompt"], "--delta", delta, "--max-length", SEQ]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == sample["after"]
+    assert main(["verify", str(tmp_path / "preset"), str(tmp_path / "out" / "tuned.keras")]) == 0

@@ -691,6 +691,24 @@ def test_logical_shape(mode):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_reverse_table(mode):  # an untied output table: its integers, logical shape and scales
+    table = keras.layers.ReversibleEmbedding(10, 6, tie_weights=False)
+    table.build((None,))
+    assert quantized.reverse_table(table) is None  # a float table's is Keras' own variable, trained as it is
+    table.quantize(mode)
+    reverse = quantized.reverse_table(table)
+    assert reverse is table.reverse_embeddings and str(reverse.dtype) == "int8" and not reverse.trainable
+    assert quantized.logical_shape(table, reverse) == (6, 10) and quantized.logical_shape(table) == (10, 6)
+    got = quantized.quantized_values(table, reverse)
+    assert got[0] is reverse and {v.path.rsplit("/", 1)[-1] for v in got} >= {"reverse_embeddings_scale"}
+    assert all(not v.trainable for v in got) and not any(v is table._embeddings for v in got)
+    tied = keras.layers.ReversibleEmbedding(10, 6)
+    tied.build((None,))
+    tied.quantize(mode)
+    assert quantized.reverse_table(tied) is None
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_values(mode):
     d = _quantized_dense(mode)
     got = quantized.quantized_values(d)

@@ -429,7 +429,7 @@ def test_a_delta_cannot_widen_the_delta_a_live_freezer_trains(tmp_path):
     frz = ff.Freezer(m, [ff.freeze("**"), ff.train("a/kernel[:, 8:]")])
     m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="mse")
     before = _delta(m, "a").copy()
-    with pytest.raises(ff.DeltaError, match=r"a live Freezer trains other elements of '.*a/kernel'"):
+    with pytest.raises(ff.DeltaError, match=r"a live Freezer trains other elements of the float delta of '.*a/kernel'"):
         ff.load_delta(m, path)
     assert np.array_equal(_delta(m, "a"), before) and before.size == 96
     m.fit(x, y, epochs=1, verbose=0)
@@ -512,10 +512,105 @@ def test_verify_against_a_reference_compares_the_stored_integers_of_either_mode(
     frz.verify(reference=ref)
 
 
-def test_an_untied_quantized_output_table_is_refused_with_the_reason():
-    ids = keras.Input((3,), dtype="int32")
-    table = keras.layers.ReversibleEmbedding(10, 6, tie_weights=False, name="tok")
-    m = keras.Model(ids, table(table(ids), reverse=True))
-    m.quantize("int8")
-    with pytest.raises(ff.PlanError, match=r"untied output table Keras quantized .* keep it frozen"):
-        ff.Freezer(m, [ff.freeze("**"), ff.train("tok/reverse_embeddings[:, :2]")])
+def _untied(mode, seed=6):
+    rng = np.random.default_rng(seed)
+    ids = keras.Input((6,), dtype="int32")
+    table = keras.layers.ReversibleEmbedding(20, 8, tie_weights=False, name="tok")
+    m = keras.Model(ids, table(keras.layers.Dense(8, name="d")(table(ids)), reverse=True))
+    for v in m.weights:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    m.quantize(mode)
+    return m, table
+
+
+def _reverse(table, h):
+    from finefreeze._keras.quantized import quantized_product
+
+    mine = np.asarray(keras.ops.convert_to_numpy(table(h, reverse=True)))
+    return mine, np.asarray(keras.ops.convert_to_numpy(quantized_product(table, h, reverse=True)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_untied_quantized_output_tables_new_columns_train_as_a_delta_of_their_own(mode, tmp_path):
+    m, table = _untied(mode)
+    stored = _bytes(m)
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 20, (32, 6)).astype("int32")
+    y = rng.integers(17, 20, (32, 6)).astype("int32")  # the new tokens
+    y0 = np.asarray(m.predict(x, verbose=0))
+    plan = [ff.freeze("**"), ff.train("tok/embeddings[-3:]"), ff.train("tok/reverse_embeddings[:, -3:]")]
+    frz = ff.Freezer(m, plan)
+    gradients = {v["path"]: v["gradient"] for v in frz.report()["variables"]}
+    assert gradients["tok/embeddings"] == gradients["tok/reverse_embeddings"] == "sliced"
+    assert np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)  # zero deltas: Keras' own logits
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=loss)
+    m.fit(x, y, epochs=2, verbose=0)
+    frz.verify()
+    assert all(np.array_equal(v, stored[p]) for p, v in _bytes(m).items() if p in stored)
+    rows = _delta(m, "tok").reshape(3, 8)
+    columns = np.asarray(keras.ops.convert_to_numpy(table._finefreeze_sliced_reverse.standin)).reshape(8, 3)
+    assert np.count_nonzero(rows) == 24 and np.count_nonzero(columns) == 24
+    h = keras.ops.convert_to_tensor(rng.normal(size=(2, 8)).astype("float32"))
+    mine, own = _reverse(table, h)
+    assert np.array_equal(mine[:, :-3], own[:, :-3])  # the pretrained tokens' logits: Keras' own, bit for bit
+    np.testing.assert_allclose(mine[:, -3:], own[:, -3:] + np.asarray(h) @ columns, rtol=1e-5, atol=1e-6)
+    # both deltas in one file, into a fresh quantized model: the same logits, bit for bit
+    frz.save_delta(tmp_path / "d.safetensors")
+    fresh, _ = _untied(mode)
+    ff.load_delta(fresh, tmp_path / "d.safetensors")
+    tuned = np.asarray(m.predict(x, verbose=0))
+    assert np.array_equal(np.asarray(fresh.predict(x, verbose=0)), tuned)
+    served, _ = _untied(mode)
+    switch = ff.DeltaSwitch(served, {"tuned": tmp_path / "d.safetensors"})
+    for name, want in (("tuned", tuned), (None, y0), ("tuned", tuned)):
+        switch.use(name)
+        assert np.array_equal(np.asarray(served.predict(x, verbose=0)), want), name
+
+
+def test_a_delta_is_refused_by_a_quantized_model_that_holds_another_deltas_values(tmp_path):
+    m, table = _untied("int8")
+    x = np.random.default_rng(2).integers(0, 20, (8, 6)).astype("int32")
+    y0 = np.asarray(m.predict(x, verbose=0))
+    paths = {}
+    for name, rule in (("rows", "tok/embeddings[-3:]"), ("columns", "tok/reverse_embeddings[:, -2:]")):
+        trained, _ = _untied("int8")
+        frz = ff.Freezer(trained, [ff.freeze("**"), ff.train(rule)])
+        mark = (
+            trained.get_layer("tok")._finefreeze_sliced
+            if name == "rows"
+            else trained.get_layer("tok")._finefreeze_sliced_reverse
+        )
+        mark.standin.assign(np.full(mark.standin.shape, 0.5, "float32"))
+        paths[name] = tmp_path / f"{name}.safetensors"
+        frz.save_delta(paths[name])
+        del frz
+    ff.load_delta(m, paths["rows"])
+    tuned = np.asarray(m.predict(x, verbose=0))
+    assert not np.array_equal(tuned, y0)
+    with pytest.raises(ff.DeltaError, match=r"'tok/embeddings' .* holds a float delta of trained values at 24 "):
+        ff.load_delta(m, paths["columns"])  # its base has no delta on the table's rows: the two would add up
+    with pytest.raises(ff.DeltaError, match=r"not the base the delta was trained on"):
+        ff.DeltaSwitch(m, {"columns": paths["columns"]})
+    assert np.array_equal(np.asarray(m.predict(x, verbose=0)), tuned)  # refused: nothing changed
+    ff.load_delta(m, paths["rows"])  # the same delta again: its own elements, rewritten
+    assert np.array_equal(np.asarray(m.predict(x, verbose=0)), tuned)
+    switch = ff.DeltaSwitch(_untied("int8")[0], paths)  # on the base alone, both switch in turn
+    for name in ("rows", "columns", None):
+        switch.use(name)
+
+
+def test_an_untied_quantized_tables_rows_leave_the_logits_to_the_output_table():
+    m, table = _untied("int8")
+    ff.Freezer(m, [ff.freeze("**"), ff.train("tok/embeddings[-3:]")])
+    table._finefreeze_sliced.standin.assign(np.ones(24, "float32"))
+    h = keras.ops.convert_to_tensor(np.random.default_rng(1).normal(size=(2, 8)).astype("float32"))
+    mine, own = _reverse(table, h)
+    assert np.array_equal(mine, own)  # untied: the token table's delta is no part of the logits
+    ids = keras.ops.convert_to_tensor(np.array([[19, 0]], "int32"))
+    from finefreeze._keras.quantized import quantized_lookup
+
+    keras_own = np.asarray(keras.ops.convert_to_numpy(quantized_lookup(table, ids)))
+    looked = np.asarray(keras.ops.convert_to_numpy(table(ids)))
+    assert np.array_equal(looked[0, 0], (keras_own[0, 0] + 1).astype("float32"))
+    assert np.array_equal(looked[0, 1], keras_own[0, 1])

@@ -19,7 +19,7 @@ import numpy as np
 from finefreeze._cli.inputs import base_model, check_model_file, load_model, load_plan
 from finefreeze._cli.parser import EXPORTED, REBUILT
 from finefreeze._cli.presets import is_causal_preset
-from finefreeze._cli.quantize import quantize_as
+from finefreeze._cli.quantize import quantize_as, refuse_trained_deltas
 from finefreeze._files.atomic import UserError, atomic_path, check_output, refuse_overwrite
 
 __all__ = ["cmd_delta_export", "cmd_delta_apply", "freezer_of_deltas"]
@@ -40,8 +40,12 @@ def cmd_delta_export(args) -> int:
     from finefreeze._freezer.freezer import Freezer
 
     plan = load_plan(args.plan, model_file=args.tuned, bundled=False)
+    model = load_model(args.tuned)
+    frz = Freezer(model, plan)
+    # a quantized run's deltas are not in its .keras file: an export would write them as zeros
+    zeros = "an export would write zeros; the run's delta file is delta.safetensors"
+    refuse_trained_deltas(frz._res, args.tuned, zeros)
     with atomic_path(out, force=args.force) as tmp:
-        frz = Freezer(load_model(args.tuned), plan)
         info = frz.save_delta(tmp)
     print(f"wrote {out}: {info['tensors']} tensors, {info['bytes']:,} bytes")
     return 0

@@ -18,7 +18,14 @@ import warnings
 
 from finefreeze._files.atomic import UserError
 
-__all__ = ["quantize_base", "quantize_as", "quantized_kernels", "delta_quantization", "refuse_without_delta"]
+__all__ = [
+    "quantize_base",
+    "quantize_as",
+    "quantized_kernels",
+    "delta_quantization",
+    "refuse_trained_deltas",
+    "refuse_without_delta",
+]
 
 
 def _quantizable(layer):
@@ -27,6 +34,15 @@ def _quantizable(layer):
 
     v = kernel_variable(layer)
     return v if v is not None else embeddings_variable(layer)
+
+
+def _quantized_with(layer) -> list:
+    """Every variable Keras quantizes with ``layer``: its kernel or table, and an untied output table."""
+    v = _quantizable(layer)
+    if v is None:
+        return []
+    reverse = None if getattr(layer, "tie_weights", True) else getattr(layer, "reverse_embeddings", None)
+    return [v] if reverse is None else [v, reverse]
 
 
 def _quantize(model, mode: str, keep) -> None:
@@ -86,7 +102,12 @@ def quantize_base(model, plan, mode: str) -> tuple[int, str]:
         return True
 
     _quantize(model, mode, keep)
-    done = len(quantized_kernels(model))
+    from finefreeze._keras.layers import all_layers
+    from finefreeze._keras.quantized import is_quantized
+
+    done = sum(
+        1 for layer in all_layers(model, include_self=False) if is_quantized(layer) and _quantizable(layer) is not None
+    )
     if not done:
         raise UserError(
             f"--quantize {mode}: no layer of the model was quantized (Keras quantizes Dense, EinsumDense and "
@@ -98,15 +119,14 @@ def quantize_base(model, plan, mode: str) -> tuple[int, str]:
 
 
 def quantized_kernels(model) -> dict[str, str]:
-    """``{kernel path: mode}`` of every quantized layer of ``model``."""
+    """``{kernel path: mode}`` of every quantized layer of ``model`` (an untied output table's too)."""
     from finefreeze._keras.layers import all_layers
     from finefreeze._keras.quantized import is_quantized
 
     out = {}
     for layer in all_layers(model, include_self=False):
         mode = is_quantized(layer)
-        kernel = _quantizable(layer) if mode is not None else None
-        if kernel is not None:
+        for kernel in _quantized_with(layer) if mode is not None else []:
             out[kernel.path] = mode
     return out
 
@@ -126,8 +146,7 @@ def quantize_as(model, kernels: dict[str, str], source: str) -> None:
 
     by_path = {}
     for layer in all_layers(model, include_self=False):
-        kernel = _quantizable(layer)
-        if kernel is not None:
+        for kernel in _quantized_with(layer):
             by_path[kernel.path] = layer
     missing = sorted(p for p in kernels if p not in by_path)
     if missing:
@@ -161,7 +180,7 @@ def refuse_without_delta(model, path: str) -> None:
     base's.
     """
     from finefreeze._cli.inputs import plan_from_keras_file
-    from finefreeze._resolve.resolve import PARTIAL, resolve
+    from finefreeze._resolve.resolve import resolve
     from finefreeze._resolve.targets import collect
 
     kernels = quantized_kernels(model)
@@ -172,10 +191,20 @@ def refuse_without_delta(model, path: str) -> None:
         res = resolve(plan, collect(model))
     except Exception:  # a plan that no longer resolves: nothing to say about deltas
         return
+    refuse_trained_deltas(res, path, "pass the run's delta file, --delta delta.safetensors (from the same run folder)")
+
+
+def refuse_trained_deltas(res, path: str, fix: str) -> None:
+    """Raise :class:`UserError` when ``res`` trains a part of a quantized kernel of the ``.keras`` file at ``path``.
+
+    What trained of it is a float delta beside its integers, which a
+    ``.keras`` file does not hold; ``fix`` ends the message.
+    """
+    from finefreeze._resolve.resolve import PARTIAL
+
     trained = [s.path for s in res.states if s.info.quantized is not None and res.kind_of(s) == PARTIAL]
     if trained:
         raise UserError(
             f"{path!r} holds a quantized base whose kernels trained float deltas ({trained[0]!r} and "
-            f"{len(trained) - 1} more), which a .keras file does not hold: pass the run's delta file, "
-            "--delta delta.safetensors (from the same run folder)"
+            f"{len(trained) - 1} more), which a .keras file does not hold: {fix}"
         )

@@ -41,7 +41,7 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
     meta_vars = {}
     res = frz._res
     # a quantized kernel's scales and zero points are its integers' companions: checked, never written
-    constants = {id(v) for st in res.states if st.info.quantized for v in quantized_values(st.info.owner)}
+    constants = {id(v) for st in res.states if st.info.quantized for v in quantized_values(st.info.owner, st.variable)}
     for st in res.states:
         p, var, kind, mask = st.path, st.variable, res.kind_of(st), st.mask
         kind = "frozen" if kind == "untrained" and id(var) in constants else kind
@@ -125,8 +125,9 @@ def load_delta(target: Any, path: str | os.PathLike) -> dict[str, Any]:
             bytes), a tensor missing, extra or of another dtype or shape, a
             variable missing from the base or of another shape or dtype, a
             base whose frozen part differs from the one the delta was trained
-            on, or a failed write (the base is restored). The message names
-            the tensor or variable.
+            on (a quantized kernel's: a float delta of values where the file
+            has none), or a failed write (the base is restored). The message
+            names the tensor or variable.
 
     Example:
         >>> import keras, numpy as np, finefreeze as ff, tempfile, os

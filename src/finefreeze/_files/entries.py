@@ -22,7 +22,7 @@ from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile
 from finefreeze._resolve.fingerprint import block_hashes
 from finefreeze._resolve.targets import collect, match_path
-from finefreeze._slices.held import delta_elements, foreign_delta, hold_delta
+from finefreeze._slices.held import delta_elements, delta_values, foreign_delta, hold_delta
 
 __all__ = ["Entry", "Bound", "digest", "read_entries", "bind", "encode"]
 
@@ -160,15 +160,40 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
                         f"{source}: the frozen part of {p!r} (shape {e.shape}) differs from the base the "
                         "delta was trained on (fingerprint mismatch); apply it to that base."
                     )
+        if e.quantized is not None:
+            _refuse_other_delta(source, p, vi, e)
         if e.quantized is not None and e.values is not None and foreign_delta(vi.owner, vi.variable, e.index):
             raise DeltaError(
-                f"{source}: a live Freezer trains other elements of {p!r}'s float delta (it is quantized), and its "
-                "optimizer holds their state: load the delta into a base no Freezer trains (or make the Freezer "
+                f"{source}: a live Freezer trains other elements of the float delta of {p!r} (it is quantized), and "
+                "its optimizer holds their state: load the delta into a base no Freezer trains (or make the Freezer "
                 "after loading it, with a plan that trains these elements too)."
             )
         if e.values is not None:
             bound.append(Bound(e, vi.variable) if e.quantized is None else QuantizedBound(e, vi.owner, vi.variable))
     return bound
+
+
+def _refuse_other_delta(source: str, p: str, vi, e: Entry) -> None:
+    """Raise when ``vi``'s quantized kernel holds a float delta of values at elements ``e`` leaves frozen.
+
+    Its integers match the file's digest whatever the delta beside them, so
+    this is the check a float kernel's frozen part gets from its digest: the
+    model is another delta's, not the base this one was trained on.
+    """
+    held = delta_values(vi.owner, vi.variable)
+    if held is None:
+        return
+    index, values = held
+    trained = e.index if e.kind == "partial" and e.index is not None else np.zeros(0, np.int64)
+    other = index[(values != 0) & ~np.isin(index, trained)]
+    if other.size:
+        raise DeltaError(
+            f"{source}: {p!r} (shape {e.shape}, {e.quantized}-quantized) holds a float delta of trained values at "
+            f"{other.size} element(s) this delta leaves frozen (first flat index {int(other[0])}): the model is not "
+            "the base the delta was trained on, and the two would add up. Apply it to the quantized base alone (a "
+            "fresh model quantized the same way, or after DeltaSwitch.use(None)); to combine deltas of disjoint "
+            "elements, merge_deltas them into one file first."
+        )
 
 
 def quantized_mismatch(path: str, base: str | None, delta: str | None) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "quantized_lookup",
     "quantized_product",
     "quantized_values",
+    "reverse_table",
 ]
 
 #: the quantization modes whose kernels a plan may train a part of (a float delta beside the kernel)
@@ -34,8 +35,20 @@ def is_quantized(layer) -> str | None:
     return getattr(layer, "quantization_mode", None)
 
 
-def logical_shape(layer) -> tuple[int, ...]:
-    """The float kernel's shape of a quantized layer, whatever the packing.
+def reverse_table(layer):
+    """The untied output table of a quantized ``ReversibleEmbedding`` (``reverse_embeddings``), or None.
+
+    Relies on: ``quantize`` gives an untied ``ReversibleEmbedding`` a
+    non-trainable ``reverse_embeddings`` of integers (int4: two packed per
+    byte along its first axis) and a ``reverse_embeddings_scale``.
+    """
+    if getattr(layer, "tie_weights", True) or getattr(layer, "quantization_mode", None) is None:
+        return None
+    return getattr(layer, "reverse_embeddings", None)
+
+
+def logical_shape(layer, variable=None) -> tuple[int, ...]:
+    """The float kernel's shape of a quantized layer (or of ``variable``, its untied output table), whatever the packing.
 
     Relies on: int8 keeps the kernel's shape; int4 packs the last axis of a
     ``Dense`` kernel (``_orig_output_dim``) and an ``EinsumDense``'s 2-D
@@ -43,7 +56,9 @@ def logical_shape(layer) -> tuple[int, ...]:
     """
     import keras
 
-    if isinstance(layer, keras.layers.Embedding):  # int4 packs each row
+    if isinstance(layer, keras.layers.Embedding):  # int4 packs each row (the output table: each column)
+        if variable is not None and variable is reverse_table(layer):
+            return (int(layer.output_dim), int(layer.input_dim))
         return (int(layer.input_dim), int(layer.output_dim))
     kernel = layer._kernel
     if layer.quantization_mode != "int4":
@@ -53,15 +68,20 @@ def logical_shape(layer) -> tuple[int, ...]:
     return (int(kernel.shape[0]), int(layer._orig_output_dim))
 
 
-def quantized_values(layer) -> list:
+def quantized_values(layer, variable=None) -> list:
     """The variables that hold a quantized kernel's values: ``_kernel`` and its scale, zero point and group index.
 
     Relies on: ``kernel_scale``, ``kernel_zero`` (int4 sub-channel) and
     ``g_idx`` are attributes of the layer (an ``Embedding``'s:
-    ``_embeddings``, ``embeddings_scale``, ``embeddings_zero``, ``g_idx``).
+    ``_embeddings``, ``embeddings_scale``, ``embeddings_zero``, ``g_idx``;
+    its untied output table, ``variable``: ``reverse_embeddings``,
+    ``reverse_embeddings_scale`` and ``reverse_embeddings_zero``).
     """
     import keras
 
+    if variable is not None and variable is reverse_table(layer):
+        own = [getattr(layer, n, None) for n in ("reverse_embeddings_scale", "reverse_embeddings_zero")]
+        return [variable] + [v for v in own if v is not None and hasattr(v, "assign")]
     if isinstance(layer, keras.layers.Embedding):
         out = [layer._embeddings]
         names = ("embeddings_scale", "embeddings_zero", "g_idx")

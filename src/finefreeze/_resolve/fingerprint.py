@@ -172,7 +172,7 @@ def fingerprinted_items(states) -> list[tuple]:
         if s.info.quantized is None:
             items.append((s.path, s.variable, s.info.shape, s.mask))
             continue
-        for v in quantized_values(s.info.owner):
+        for v in quantized_values(s.info.owner, s.variable):
             path = s.path if v is s.variable else var_path(v)
             items.append((path, v, tuple(int(d) for d in v.shape), None))
     return items

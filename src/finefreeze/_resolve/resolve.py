@@ -313,11 +313,6 @@ def _check_hits(plan, target, hits, untrained_hits):
                 f"it matches only variables Keras does not train "
                 f"({', '.join(untrained_hits[i][:3])}); those stay outside plans"
             )
-            if any(p.endswith("reverse_embeddings") for p in untrained_hits[i]):  # float, it would train
-                why += (
-                    " (an untied output table Keras quantized holds integers, and what trains of it as a float "
-                    "delta has no place in the layer: keep it frozen, or train it before quantize())"
-                )
         elif rule.picks_elements and any(rule.selector.matches(vi, target) for vi in target.variables):
             why = "it matches variables but zero of their elements"
         else:

@@ -22,7 +22,7 @@ from finefreeze._keras.layers import (
     own_weights,
     sublayers,
 )
-from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape
+from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape, reverse_table
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
 from finefreeze._resolve.standins import is_standin_layer
 
@@ -236,9 +236,10 @@ def _collect_keras(root) -> Target:
             path = var_path(v)
             made_trainable = any(v is w for w in weights)  # a weight, not a statistic or a seed
             off = not base_trainable(v) and (_lora_base(layer, v) or (lora_root and made_trainable))
-            mode = is_quantized(layer) if v is kernel_variable(layer) or v is embeddings_variable(layer) else None
+            own = v is kernel_variable(layer) or v is embeddings_variable(layer) or v is reverse_table(layer)
+            mode = is_quantized(layer) if own else None
             if mode in QUANTIZED_KINDS:  # a plan addresses it by the float kernel's shape and trains a delta
-                shape, dtype, off = logical_shape(layer), layer.variable_dtype, True
+                shape, dtype, off = logical_shape(layer, v), layer.variable_dtype, True
             else:
                 mode = None
             infos.append(

@@ -35,9 +35,9 @@ from finefreeze._keras.instances import instance_value, remove_instance_value, s
 from finefreeze._keras.layers import causal_padding, remat_each_call, rematerialized, set_keras_mask
 from finefreeze._resolve.resolve import PARTIAL
 from finefreeze._resolve.standins import attach, detach
-from finefreeze._slices.choose import MARK, SAMPLED_KINDS, KernelSlice, choose, quantized
+from finefreeze._slices.choose import MARKS, SAMPLED_KINDS, KernelSlice, choose, mark_name, quantized
 from finefreeze._slices.product import Taken, looked_up, read_rows, sliced_product, slicing
-from finefreeze._slices.quantized import carry, delta_call, delta_kept
+from finefreeze._slices.quantized import carry, delta_call, delta_kept, table_parts
 from finefreeze._slices.sampled import Sampled, TableElements, padded_index
 
 __all__ = ["set_sliced"]
@@ -69,6 +69,7 @@ class _Mark:
     trained: bytes = b""  # the trained elements (flat indices), to tell a new stand-in from the one in place
     quantized: bool = False  # the kernel is quantized: the stand-in is a delta the call always adds
     index: Any = None  # a quantized kernel's: the sorted flat indices of the delta's elements (numpy)
+    parts: Any = None  # a quantized table's: what its delta adds to the lookup and the logits (table_parts)
 
     @property
     def standin(self):
@@ -107,40 +108,50 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
     if target.kind != "keras":
         return False
     held = set() if held is None else held
-    marks = {id(layer): instance_value(layer, MARK, None) for layer in target.layers if hasattr(layer, "__dict__")}
+    marks = {
+        (id(layer), name): instance_value(layer, name, None)
+        for layer in target.layers
+        if hasattr(layer, "__dict__")
+        for name in MARKS
+    }
     want = {}
     for s in res.states:
         if s.state == PARTIAL and s.info.is_keras and s.info.owner is not None:
             frozen = s.mask.dense()
             ks, eligible = choose(s.info.owner, s.variable, frozen, mode)
             on = eligible and (s.info.quantized is not None or not (mode == "auto" and s.path in held))
-            old = marks.get(id(s.info.owner))
+            key = (id(s.info.owner), mark_name(s.info.owner, s.variable))
+            old = marks.get(key)
             if mode == "auto" and often and on and old is not None and old.sliced and old.variable is s.variable:
                 if old.slice.key != ks.key:  # the slice moved and will move again: the dense path from now on
                     held.add(s.path)
                     on = False
             # TensorFlow's table read by rows changes no maths: it is the dense path too
             if ks is not None and (eligible or (ks.kind == "rows" and lookups_are_sparse(s.info.owner))):
-                want[id(s.info.owner)] = (s.info.owner, ks, s.variable, on, eligible, frozen)
+                want[key] = (s.info.owner, ks, s.variable, on, eligible, frozen)
     layers = [layer for layer in target.layers if hasattr(layer, "__dict__")]
     for layer in layers:
         _claims(layer).add(owner)
-    if any(len(_claims(layer)) > 1 for layer in layers if id(layer) in want):
+    planned = {key[0] for key in want}
+    if any(len(_claims(layer)) > 1 for layer in layers if id(layer) in planned):
         gc.collect()  # a Freezer dropped in a reference cycle is not another plan
     for layer in layers:  # another live Freezer plans this layer: which plan's optimizer trains is not known
         if len(_claims(layer)) > 1:
-            if id(layer) in want and quantized(layer, want[id(layer)][2]):
+            if any(quantized(layer, want[(id(layer), name)][2]) for name in MARKS if (id(layer), name) in want):
                 raise PlanError(
                     f"two live Freezers plan {layer.path!r}, whose kernel is quantized: what trains of it is one "
-                    "float delta beside the integers, which one plan's optimizer owns. Plan it in one Freezer "
-                    "(drop the other: del frz; or freeze the kernel in its plan)."
+                    "float delta beside the integers, which one plan's optimizer owns, and each Freezer plans every "
+                    "layer of its model (a layer one of them freezes too). Train both parts in one Freezer's plan, "
+                    "or drop the other Freezer first (del frz)."
                 )
-            want.pop(id(layer), None)
-    carried = {id(layer): delta_kept(layer, want.get(id(layer))) for layer in layers}  # refuses before any change
+            for name in MARKS:
+                want.pop((id(layer), name), None)
+    keys = [(layer, name) for layer in layers for name in MARKS]
+    carried = {(id(la), n): delta_kept(la, n, want.get((id(la), n))) for la, n in keys}  # refuses before any change
     changed = False
-    for layer in layers:
-        mark = instance_value(layer, MARK, None)
-        new = want.get(id(layer))
+    for layer, name in keys:
+        mark = instance_value(layer, name, None)
+        new = want.get((id(layer), name))
         if _same(mark, new):  # a kernel held dense keeps Keras' call whatever its slice: no retrace when it moves
             mark.owner, mark.slice = weakref.ref(owner), new[1]
             continue
@@ -149,9 +160,19 @@ def set_sliced(target, res, owner, mode: str = "sliced", held: set | None = None
             changed = True
         if new is not None:
             _give_call(layer, *new[1:], owner=owner, model_of=target.obj)
-            carry(layer, carried.get(id(layer)))
+            carry(layer, name, carried.get((id(layer), name)))
             changed = True
     return changed
+
+
+def _standin_value(mark):
+    """``() -> the value of mark's stand-in`` (a read of the variable: TensorFlow's eager custom gradient asks for a
+    variable's own gradient)."""
+
+    def standin():
+        return chosen().current_value(mark.standin)
+
+    return standin
 
 
 def _trained_key(frozen: np.ndarray) -> bytes:
@@ -168,10 +189,12 @@ def _same(mark, new) -> bool:
 
 
 def _take_call(layer, mark) -> None:
-    remove_instance_value(layer, "quantized_call" if mark.quantized else "call")
-    if rematerialized(layer):
+    remove_instance_value(layer, mark_name(layer, mark.variable))
+    others = [m for m in (instance_value(layer, name, None) for name in MARKS) if m is not None]
+    if not any(m.quantized == mark.quantized for m in others):  # a quantized table's other delta keeps its call
+        remove_instance_value(layer, "quantized_call" if mark.quantized else "call")
+    if rematerialized(layer) and not others:
         remove_instance_value(layer, "rematerialized_call")
-    remove_instance_value(layer, MARK)
     if mark.holder is not None:
         detach(layer, mark.holder)
 
@@ -209,12 +232,10 @@ def _give_call(layer, ks: KernelSlice, variable, on: bool, eligible: bool, froze
     def now() -> bool:
         return slicing() and mark.now()
 
-    def standin():
-        # a read of the variable (TensorFlow's eager custom gradient asks for a variable's own gradient)
-        return chosen().current_value(mark.standin)
-
+    standin = _standin_value(mark)
     index = (lambda: ops.convert_to_tensor(holder.index)) if ks.kind in SAMPLED_KINDS else (lambda: None)
-
+    if q and isinstance(layer, keras.layers.Embedding):  # its quantized_call reads the parts of each of its marks
+        mark.parts = table_parts(layer, ks, taken, standin, index)
     if q:  # Keras runs quantized_call: Keras' product of the integers, plus the delta's
         product = _product(layer, ks)
         call = delta_call(layer, ks, taken, product, standin, index, _bias_and_activation)
@@ -234,7 +255,7 @@ def _set_call_marked(layer, name: str, call, mark) -> None:
     set_instance_value(layer, name, call)
     if rematerialized(layer):
         set_instance_value(layer, "rematerialized_call", remat_each_call(layer))
-    set_instance_value(layer, MARK, mark)
+    set_instance_value(layer, mark_name(layer, mark.variable), mark)
 
 
 def _product(layer, ks: KernelSlice):

@@ -56,13 +56,15 @@ import numpy as np
 from finefreeze._backends.costs import AUTO_PAYS, AUTO_SAMPLES, MEMORY_AT, auto_pays, auto_samples
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.layers import embeddings_variable, is_convolution, kernel_variable
-from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape
+from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_shape, reverse_table
 from finefreeze._resolve.axes import einsum_axes
 
 __all__ = [
     "AUTO_PAYS",
     "AUTO_SAMPLES",
     "MARK",
+    "MARKS",
+    "REVERSE_MARK",
     "SAMPLED_KINDS",
     "SAMPLE_AT_MOST",
     "SLICE_AT_MOST",
@@ -72,6 +74,8 @@ __all__ = [
     "kernel_sample",
     "kernel_shape",
     "kernel_slice",
+    "mark_name",
+    "mark_of",
     "pays",
     "quantized",
     "slice_eligible",
@@ -82,6 +86,12 @@ __all__ = [
 
 #: the attribute (in the layer's ``__dict__``) of a layer whose call computes a block's weight gradient only
 MARK = "_finefreeze_sliced"
+
+#: the attribute of a quantized untied ``ReversibleEmbedding`` holding its output table's mark (the table's: MARK)
+REVERSE_MARK = "_finefreeze_sliced_reverse"
+
+#: every attribute a layer's marks may be in
+MARKS = (MARK, REVERSE_MARK)
 
 #: a block of at most this fraction of its kernel gets its own weight gradient (docs/benchmarks.md)
 SLICE_AT_MOST = 0.5
@@ -133,13 +143,25 @@ class KernelSlice:
 def quantized(layer, variable) -> bool:
     """Whether ``variable`` is the kernel (or table) of a layer Keras quantized to a mode a plan may train a part of."""
     own = kernel_variable(layer) is variable or embeddings_variable(layer) is variable
+    own = own or (variable is not None and reverse_table(layer) is variable)
     return own and is_quantized(layer) in QUANTIZED_KINDS
+
+
+def mark_name(layer, variable) -> str:
+    """The attribute of ``layer`` holding the mark of ``variable``'s call: a quantized untied output table has its own."""
+    return REVERSE_MARK if variable is not None and reverse_table(layer) is variable else MARK
+
+
+def mark_of(layer, variable):
+    """The mark of the call that computes ``variable``'s trained elements (of ``layer``), or None."""
+    mark = instance_value(layer, mark_name(layer, variable), None)
+    return mark if mark is not None and mark.variable is variable else None
 
 
 def kernel_shape(layer, variable) -> tuple[int, ...]:
     """The kernel's shape as plans see it: a quantized kernel's float shape, whatever its packing."""
     if quantized(layer, variable):
-        return logical_shape(layer)
+        return logical_shape(layer, variable)
     return tuple(int(d) for d in variable.shape)
 
 
@@ -151,6 +173,8 @@ def _geometry(layer, variable):
     if getattr(layer, "lora_enabled", False) and mode is None:
         return None
     call, rank = type(layer).call, len(kernel_shape(layer, variable))
+    if mode is not None and reverse_table(layer) is variable:  # the logits' product: h (..., hidden) times it
+        return "dense", (-1, None), (None, -1)
     lookups = (keras.layers.Embedding.call, getattr(getattr(keras.layers, "ReversibleEmbedding", None), "call", None))
     if call in lookups and embeddings_variable(layer) is variable and rank == 2:
         return "rows", (0, None), (None, None)  # rows looked up by the ids, each whole
@@ -328,22 +352,20 @@ def slice_eligible(owner, variable) -> KernelSlice | None:
     gradient for a while (a FreezeBoard recording norms, a plan that changes
     often) keeps the optimizer variables it had.
     """
-    mark = instance_value(owner, MARK, None)
-    return mark.slice if mark is not None and mark.variable is variable and mark.eligible else None
+    mark = mark_of(owner, variable)
+    return mark.slice if mark is not None and mark.eligible else None
 
 
 def standin_of(owner, variable):
     """The stand-in variable (the trained elements of ``variable``) ``owner``'s call hands their gradient to, or None."""
-    mark = instance_value(owner, MARK, None)
-    if mark is None or mark.variable is not variable or not mark.eligible:
-        return None
-    return mark.standin
+    mark = mark_of(owner, variable)
+    return None if mark is None or not mark.eligible else mark.standin
 
 
 def sliced_gradient(owner, variable) -> KernelSlice | None:
     """The slice whose weight gradient ``owner``'s call computes for ``variable`` now (None: the dense gradient)."""
-    mark = instance_value(owner, MARK, None)
-    return mark.slice if mark is not None and mark.variable is variable and mark.now() else None
+    mark = mark_of(owner, variable)
+    return mark.slice if mark is not None and mark.now() else None
 
 
 def exact_block(frozen: np.ndarray) -> tuple | None:

@@ -10,16 +10,17 @@ element, as into any variable.
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.quantized import is_quantized
 from finefreeze._slices.calls import _give_call, _take_call
-from finefreeze._slices.choose import MARK, choose, kernel_shape
+from finefreeze._slices.choose import choose, kernel_shape, mark_name, mark_of
 from finefreeze._slices.quantized import carry, delta_kept
 
-__all__ = ["delta_elements", "foreign_delta", "hold_delta", "refuse_requantized", "retrace"]
+__all__ = ["delta_elements", "delta_values", "foreign_delta", "hold_delta", "refuse_requantized", "retrace"]
 
 
 def refuse_requantized(res) -> None:
@@ -44,8 +45,8 @@ def foreign_delta(layer, variable, trained: np.ndarray) -> bool:
 
     A file cannot widen that delta: the Freezer's optimizer holds its state.
     """
-    mark = instance_value(layer, MARK, None)
-    if mark is None or not mark.quantized or mark.holder is None or mark.variable is not variable:
+    mark = mark_of(layer, variable)
+    if mark is None or not mark.quantized or mark.holder is None:
         return False
     owner = mark.owner()
     return owner is not None and owner is not _FILES and not np.isin(trained, mark.index).all()
@@ -75,10 +76,18 @@ _FILES = _Files()
 
 def delta_elements(layer, variable) -> np.ndarray | None:
     """The sorted flat indices a quantized kernel's float delta holds, or None (it has none)."""
-    mark = instance_value(layer, MARK, None)
-    if mark is None or not mark.quantized or mark.holder is None or mark.variable is not variable:
+    mark = mark_of(layer, variable)
+    if mark is None or not mark.quantized or mark.holder is None:
         return None
     return mark.index
+
+
+def delta_values(layer, variable) -> tuple[np.ndarray, np.ndarray] | None:
+    """A quantized kernel's float delta as it is now, ``(sorted flat indices, values)``, or None (it has none)."""
+    index = delta_elements(layer, variable)
+    if index is None:
+        return None
+    return index, np.asarray(keras.ops.convert_to_numpy(mark_of(layer, variable).standin))
 
 
 def hold_delta(layer, variable, trained: np.ndarray):
@@ -93,15 +102,16 @@ def hold_delta(layer, variable, trained: np.ndarray):
     """
     have = delta_elements(layer, variable)
     if have is not None and np.isin(trained, have, assume_unique=True).all():
-        return instance_value(layer, MARK, None).standin
+        return mark_of(layer, variable).standin
     union = trained if have is None else np.union1d(have, trained)
     frozen = np.ones(kernel_shape(layer, variable), bool)
     frozen.reshape(-1)[union] = False
     ks, _ = choose(layer, variable, frozen, "sliced")
-    kept = delta_kept(layer, (layer, ks, variable, True, True, frozen))
-    mark = instance_value(layer, MARK, None)
+    name = mark_name(layer, variable)
+    kept = delta_kept(layer, name, (layer, ks, variable, True, True, frozen))
+    mark = instance_value(layer, name, None)
     if mark is not None:
         _take_call(layer, mark)
     _give_call(layer, ks, variable, True, True, frozen, owner=_FILES)
-    carry(layer, kept)
-    return instance_value(layer, MARK, None).standin
+    carry(layer, name, kept)
+    return mark_of(layer, variable).standin

@@ -25,6 +25,12 @@ kernel's logical (float) shape, computed for what trains only:
   ``dy``, and the delta's gradient the sampled product: no value of the
   kernel's shape exists in the step.
 
+A quantized ``Embedding`` (or ``ReversibleEmbedding``) table trains rows
+(new tokens) the same way, added to their lookups (and a tied table's
+logits); an untied ``ReversibleEmbedding``'s output table, quantized on its
+own, has a delta of its own (a second mark of the layer), added to the
+logits as a ``Dense`` kernel's is to ``y`` (:func:`table_call`).
+
 Example:
     >>> import keras, numpy as np
     >>> d = keras.layers.Dense(4); d.build((None, 3)); d.quantize("int8")
@@ -43,11 +49,11 @@ from finefreeze._backends.chosen import chosen
 from finefreeze._errors import PlanError
 from finefreeze._keras.instances import instance_value
 from finefreeze._keras.quantized import quantized_lookup, quantized_product
-from finefreeze._slices.choose import MARK
+from finefreeze._slices.choose import MARKS
 from finefreeze._slices.product import Taken
 from finefreeze._slices.sampled import SAMPLED_CHUNK
 
-__all__ = ["block_delta", "carry", "delta_call", "delta_kept", "scattered_delta"]
+__all__ = ["block_delta", "carry", "delta_call", "delta_kept", "scattered_delta", "table_call", "table_parts"]
 
 
 def _place(t, axis: int, idx: np.ndarray, place, n: int):
@@ -171,7 +177,7 @@ def delta_call(layer, ks, taken, product, standin, index, bias_and_activation):
     """The ``quantized_call`` of a quantized layer whose kernel's trained part is a float delta.
 
     Args:
-        layer: the quantized ``Dense`` or ``EinsumDense``.
+        layer: the quantized ``Dense`` or ``EinsumDense`` (an ``Embedding``: :func:`table_call`).
         ks: the :class:`~finefreeze._slices.choose.KernelSlice` of the trained elements.
         taken: its :class:`Taken` block, or its ``Sampled`` product.
         product: the layer's float product ``(x, kernel) -> y``.
@@ -179,29 +185,39 @@ def delta_call(layer, ks, taken, product, standin, index, bias_and_activation):
         index: ``() -> the sampled product's flat indices`` (None for a block).
         bias_and_activation: ``(layer, y) -> y``: the rest of the layer's call.
     """
-
-    if ks.kind == "rows":
-        return _rows_call(layer, ks, taken, standin)
+    if isinstance(layer, keras.layers.Embedding):
+        return table_call(layer)
 
     def call(inputs, training=None):
         y = quantized_product(layer, inputs, training=training)
         x = ops.cast(inputs, y.dtype)
-        if ks.kind == "sampled":
-            delta = scattered_delta(product, x, standin(), index(), taken, ks.shape)
-        else:
-            delta = block_delta(product, x, standin(), taken)
+        delta = _product_delta(product, x, ks, taken, standin, index)
         return bias_and_activation(layer, ops.add(y, ops.cast(delta, y.dtype)))
 
     return call
 
 
-def _rows_call(layer, ks, taken: Taken, standin):
-    """The ``quantized_call`` of a quantized ``Embedding`` whose trained elements lie in some rows (new tokens).
+def _product_delta(product, x, ks, taken, standin, index):
+    """``x`` times the delta (of scattered elements, or of a block)."""
+    if ks.kind == "sampled":
+        return scattered_delta(product, x, standin(), index(), taken, ks.shape)
+    return block_delta(product, x, standin(), taken)
 
-    The lookup adds each id's delta row (zero for the other ids); a tied
-    ``ReversibleEmbedding``'s reverse projection adds ``h`` times the delta
-    rows to their logits, before the soft cap.
+
+def table_parts(layer, ks, taken, standin, index):
+    """What a quantized table's delta adds: ``(lookup, logits)``, each ``(inputs, out) -> out`` or None.
+
+    The token table's delta rows (new tokens) add to the lookup of their
+    ids, and, when the table is tied, ``h`` times them to their logits; an
+    untied output table's delta (``reverse_embeddings``, ``(hidden,
+    vocabulary)``) adds ``h`` times it to the logits, as a ``Dense`` kernel's.
     """
+    if ks.kind != "rows":  # the untied output table
+
+        def table_logits(h, logits):
+            return ops.add(logits, ops.cast(_product_delta(ops.matmul, h, ks, taken, standin, index), logits.dtype))
+
+        return None, table_logits
     rows = taken.index[0] if taken.index[0] is not None else np.arange(ks.shape[0], dtype=np.int32)
     span = taken.places[0] if taken.places[0] is not None else (0, ks.shape[0])  # every row: a range
     place = np.full(ks.shape[0], len(rows), np.int32)  # each id's row of the delta, or the zero row past it
@@ -216,32 +232,62 @@ def _rows_call(layer, ks, taken: Taken, standin):
             d = ops.reshape(ops.scatter(where, standin(), (block[0] * block[1],)), block)
         return ops.cast(d, dtype)
 
+    def lookup(ids, out):
+        d = delta_rows(out.dtype)
+        padded = ops.concatenate([d, ops.zeros((1, block[1]), dtype=out.dtype)], axis=0)
+        ids = ops.where(ids < 0, ids + ks.shape[0], ids)  # counted from the end, as Keras takes them
+        return ops.add(out, ops.take(padded, ops.take(ops.convert_to_tensor(place), ids, axis=0), axis=0))
+
+    def tied_logits(h, logits):
+        extra = ops.matmul(h, ops.transpose(delta_rows(logits.dtype)))
+        return ops.add(logits, _place(extra, -1, rows, span, ks.shape[0]))
+
+    return lookup, (tied_logits if getattr(layer, "tie_weights", False) else None)
+
+
+def table_call(layer):
+    """The ``quantized_call`` of a quantized ``Embedding`` (or ``ReversibleEmbedding``) with a float delta.
+
+    Keras' quantized lookup (reverse projection) plus what the deltas of
+    its marks add (:func:`table_parts`): the table's, and an untied output
+    table's, read when the call is traced; the reverse projection's soft cap
+    comes after them.
+    """
+
+    def parts():
+        for name in MARKS:
+            mark = instance_value(layer, name, None)
+            if mark is not None and mark.quantized and mark.holder is not None:
+                yield mark.parts
+
     def call(inputs, reverse=False, **kwargs):
         if reverse:
             logits = quantized_product(layer, inputs, reverse=True)
-            extra = ops.matmul(ops.cast(inputs, logits.dtype), ops.transpose(delta_rows(logits.dtype)))
-            logits = ops.add(logits, _place(extra, -1, rows, span, ks.shape[0]))
+            h = ops.cast(inputs, logits.dtype)
+            for _, add in parts():
+                logits = logits if add is None else add(h, logits)
             if getattr(layer, "logit_soft_cap", None) is not None:
                 cap = layer.logit_soft_cap
                 logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
             return logits
         ids = inputs if inputs.dtype in ("int32", "int64") else ops.cast(inputs, "int32")
         out = quantized_lookup(layer, ids)
-        d = delta_rows(out.dtype)
-        padded = ops.concatenate([d, ops.zeros((1, block[1]), dtype=out.dtype)], axis=0)
-        ids = ops.where(ids < 0, ids + ks.shape[0], ids)  # counted from the end, as Keras takes them
-        return ops.add(out, ops.take(padded, ops.take(ops.convert_to_tensor(place), ids, axis=0), axis=0))
+        for add, _ in parts():
+            out = out if add is None else add(ids, out)
+        return out
 
     return call
 
 
-def delta_kept(layer, new):
-    """A quantized kernel's delta in place, ``(its elements, its values)``, for the call that replaces it.
+def delta_kept(layer, name, new):
+    """A quantized kernel's delta in place (the mark ``name`` of ``layer``), ``(its elements, its values)``.
+
+    Read before the call that replaces it is set.
 
     Raises:
         PlanError: the new plan freezes elements whose delta is not zero (their trained value would be lost).
     """
-    mark = instance_value(layer, MARK, None)
+    mark = instance_value(layer, name, None)
     if mark is None or not mark.quantized or mark.holder is None:
         return None
     values = np.asarray(keras.ops.convert_to_numpy(mark.standin))
@@ -256,9 +302,9 @@ def delta_kept(layer, new):
     return mark.index, values
 
 
-def carry(layer, kept) -> None:
-    """Write a replaced delta's values into the new one, at the elements both hold."""
-    mark = instance_value(layer, MARK, None)
+def carry(layer, name, kept) -> None:
+    """Write a replaced delta's values into the new one (the mark ``name`` of ``layer``), at the elements both hold."""
+    mark = instance_value(layer, name, None)
     if kept is None or mark is None or not mark.quantized or mark.holder is None:
         return
     old_index, values = kept
