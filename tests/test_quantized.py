@@ -354,6 +354,15 @@ def test_new_rows_of_a_quantized_table_train_as_a_delta_by_the_lookups_gradient(
     frz.verify()
 
 
+def _fit_verified(m, frz, x, y, stored) -> None:
+    """Train a table model on token targets with Adam; every frozen element and every stored byte stays."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=loss)
+    m.fit(x, y, epochs=2, verbose=0)
+    frz.verify()
+    assert all(np.array_equal(v, stored[p]) for p, v in _bytes(m).items() if p in stored)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_tied_quantized_tables_new_rows_add_their_delta_to_the_lookup_and_to_the_logits(mode):
     rng = np.random.default_rng(6)
@@ -369,11 +378,7 @@ def test_a_tied_quantized_tables_new_rows_add_their_delta_to_the_lookup_and_to_t
     y0 = np.asarray(m.predict(x, verbose=0))
     frz = ff.Freezer(m, [ff.freeze("**"), ff.train("tok/embeddings[-3:]")])
     assert np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=loss)
-    m.fit(x, y, epochs=2, verbose=0)
-    frz.verify()
-    assert all(np.array_equal(v, stored[p]) for p, v in _bytes(m).items() if p in stored)
+    _fit_verified(m, frz, x, y, stored)
     delta = _delta(m, "tok").reshape(3, 8)
     assert np.count_nonzero(delta) == 24
     ids_now = keras.ops.convert_to_tensor(np.array([[17, 18, 19, 0]], "int32"))
@@ -543,11 +548,7 @@ def test_an_untied_quantized_output_tables_new_columns_train_as_a_delta_of_their
     gradients = {v["path"]: v["gradient"] for v in frz.report()["variables"]}
     assert gradients["tok/embeddings"] == gradients["tok/reverse_embeddings"] == "sliced"
     assert np.array_equal(np.asarray(m.predict(x, verbose=0)), y0)  # zero deltas: Keras' own logits
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    m.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss=loss)
-    m.fit(x, y, epochs=2, verbose=0)
-    frz.verify()
-    assert all(np.array_equal(v, stored[p]) for p, v in _bytes(m).items() if p in stored)
+    _fit_verified(m, frz, x, y, stored)
     rows = _delta(m, "tok").reshape(3, 8)
     columns = np.asarray(keras.ops.convert_to_numpy(table._finefreeze_sliced_reverse.standin)).reshape(8, 3)
     assert np.count_nonzero(rows) == 24 and np.count_nonzero(columns) == 24
