@@ -507,6 +507,14 @@ MUTATIONS = [
         "",
         "tests/test_cli_quantized.py -k delta_apply_export",
     ),
+    (
+        "a signal during fit raised where it lands, inside a training step, not at the batch's end",
+        "_files/atomic.py",
+        "    with _handled_by(_at_checks):\n",
+        "    with _handled_by(_on_signal):\n",
+        "tests/test_cli_signals.py::test_a_second_signal_stops_at_once"
+        " tests/test_cli_signals.py::test_a_signal_inside_a_training_step_stops_fit_when_the_step_is_done",
+    ),
 ]
 
 

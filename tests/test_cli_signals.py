@@ -210,3 +210,51 @@ def test_an_error_a_signal_caused_after_training_keeps_the_resume_point(monkeypa
     kept = set(os.listdir(out / ".finefreeze-resume"))
     assert {"settings.json", "latest.weights.h5"} <= kept, kept
     assert sorted(os.listdir(out)) == [".finefreeze-resume"]  # no output of the run is in place
+
+
+@pytest.mark.slow
+def test_a_signal_inside_a_training_step_stops_fit_when_the_step_is_done(monkeypatch, capsys, tmp_path):
+    """The first signal only marks the run interrupted; the batch it came in ends, then fit stops at its end.
+
+    Unwinding from inside a framework's step frees what its threads still use
+    (TensorFlow may then die of a corrupted heap); a second signal still stops
+    the command at once.
+    """
+    from finefreeze._cli import finetune as cli_finetune
+    from finefreeze._cli.commands import main
+
+    seen = []
+    stop = cli_finetune._stop_on_interrupt()
+
+    class SignalInsideTheSecondBatch(type(stop)):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:  # inside fit's step loop, before the step runs
+                signal.raise_signal(signal.SIGTERM)
+                seen.append("went on after the signal")
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(f"batch {batch} ended")
+            super().on_train_batch_end(batch, logs)
+
+    monkeypatch.setattr(cli_finetune, "_stop_on_interrupt", SignalInsideTheSecondBatch)
+    assert main(["finetune", "--out", str(tmp_path / "out"), "--epochs", "1", "-q"]) == 143
+    assert seen == ["batch 0 ended", "went on after the signal", "batch 1 ended"]
+    assert "interrupted by SIGTERM" in capsys.readouterr().err
+
+
+def test_a_second_signal_stops_at_once():
+    """Inside ``interrupts_at_checks`` the first signal waits for a check; a second raises where it lands."""
+    from finefreeze._files.atomic import Terminated, catch_interrupts, check_interrupt, interrupts_at_checks
+
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        with catch_interrupts(), interrupts_at_checks():
+            signal.raise_signal(signal.SIGINT)
+            got.append("first")
+            try:
+                signal.raise_signal(signal.SIGTERM)
+                got.append("second did not stop it")
+            except Terminated:
+                got.append("second")
+                check_interrupt()
+    assert got == ["first", "second"]

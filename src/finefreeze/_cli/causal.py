@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from finefreeze._cli.presets import check_preset, digest_folder, json_lines, load_preset
-from finefreeze._files.atomic import UserError
+from finefreeze._files.atomic import UserError, check_interrupt
 from finefreeze._keras.instances import set_tag, tag
 from finefreeze._keras.layers import all_layers
 from finefreeze._plan.plan import Plan
@@ -197,6 +197,7 @@ def perplexity(model, val: tuple, batch_size: int) -> float:
     rows = max(1, min(batch_size, _LOGITS // max(1, y.shape[1] * vocab)))
     total, count = 0.0, float(w.sum())
     for s in range(0, len(y), rows):
+        check_interrupt()  # between two batches (see finetune's interrupts_at_checks)
         batch = {k: v[s : s + rows] for k, v in x.items()}
         logits = np.asarray(keras.Model.predict_on_batch(model, batch), np.float64)
         top = logits.max(axis=-1, keepdims=True)

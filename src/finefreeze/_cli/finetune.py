@@ -25,7 +25,14 @@ from finefreeze._cli.inputs import data_kind, load_plan, training_inputs
 from finefreeze._cli.presets import is_causal_preset
 from finefreeze._cli.quantize import quantize_base
 from finefreeze._cli.result import Result
-from finefreeze._files.atomic import Staging, Terminated, UserError, check_interrupt, interrupted
+from finefreeze._files.atomic import (
+    Staging,
+    Terminated,
+    UserError,
+    check_interrupt,
+    interrupted,
+    interrupts_at_checks,
+)
 from finefreeze._files.delta import save_delta
 from finefreeze._keras.instances import tag
 
@@ -64,7 +71,7 @@ def _optimizer(name: str, lr: float):
 
 
 def _stop_on_interrupt():
-    """A callback that ends ``fit`` at the next batch after a Ctrl-C that Python swallowed."""
+    """A callback that ends ``fit`` at the end of the batch a Ctrl-C or SIGTERM came in (see ``_train``)."""
     import keras
 
     class StopOnInterrupt(keras.callbacks.Callback):
@@ -74,12 +81,17 @@ def _stop_on_interrupt():
         def on_test_batch_end(self, batch, logs=None):
             check_interrupt()
 
+        def on_epoch_end(self, epoch, logs=None):  # after BackupAndRestore saved the epoch
+            check_interrupt()
+
     return StopOnInterrupt()
 
 
 def _metric(model, val, batch_size: int, name: str) -> float:
     """``name`` (a compiled metric, or the loss) on the validation data."""
-    got = plain(model, "evaluate")(val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True)
+    got = plain(model, "evaluate")(
+        val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True, callbacks=[_stop_on_interrupt()]
+    )
     return float(got[name])
 
 
@@ -237,7 +249,8 @@ def _run(stage, point, inputs, the_plan, optimizer, lr, epochs, batch_size, stra
     name = "perplexity" if causal else metrics[0] if metrics else "loss"
 
     def measure() -> float:
-        return perplexity(model, val, batch_size) if causal else _metric(model, val, batch_size, name)
+        with interrupts_at_checks():  # a signal stops the evaluation between two batches
+            return perplexity(model, val, batch_size) if causal else _metric(model, val, batch_size, name)
 
     before = measure()
     sample = None
@@ -268,19 +281,22 @@ def _train(stage, point, model, frz, train, val, epochs, batch_size, first_epoch
 
     board = ff.callbacks.FreezeBoard(stage.path("tensorboard"), frz)
     try:
-        return plain(model, "fit")(
-            shuffled(train[0], train[1], batch_size, first_epoch, sample_weight=train[2] if len(train) > 2 else None),
-            validation_data=val,
-            epochs=epochs,
-            shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
-            verbose=2 if verbose == 1 and not _terminal() else verbose,  # a log gets one line per epoch
-            callbacks=[
-                seed_states(model, point),  # before BackupAndRestore: its epoch's seeds are on disk first
-                keras.callbacks.BackupAndRestore(point, delete_checkpoint=False, double_checkpoint=True),
-                board,
-                _stop_on_interrupt(),
-            ],
-        )
+        with interrupts_at_checks():  # a signal stops fit between two batches, never inside a step
+            return plain(model, "fit")(
+                shuffled(
+                    train[0], train[1], batch_size, first_epoch, sample_weight=train[2] if len(train) > 2 else None
+                ),
+                validation_data=val,
+                epochs=epochs,
+                shuffle=False,  # the batches are shuffled already, the same way whatever epoch a run starts at
+                verbose=2 if verbose == 1 and not _terminal() else verbose,  # a log gets one line per epoch
+                callbacks=[
+                    seed_states(model, point),  # before BackupAndRestore: its epoch's seeds are on disk first
+                    keras.callbacks.BackupAndRestore(point, delete_checkpoint=False, double_checkpoint=True),
+                    board,
+                    _stop_on_interrupt(),
+                ],
+            )
     finally:
         board.on_train_end()  # closes the event file even when fit is interrupted (idempotent)
 

@@ -28,6 +28,7 @@ __all__ = [
     "Staging",
     "refuse_overwrite",
     "deferred_interrupts",
+    "interrupts_at_checks",
     "same_file",
     "catch_interrupts",
     "check_interrupt",
@@ -151,11 +152,22 @@ def catch_interrupts(own_process: bool = False) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def deferred_interrupts() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM while the block runs; raise ``KeyboardInterrupt`` after it if one came."""
+def _handled_by(handler) -> Iterator[None]:
+    """Ctrl-C and SIGTERM go to ``handler`` while the block runs (in the main thread; elsewhere unchanged)."""
     if not _main_thread():
         yield
         return
+    previous = {s: signal.signal(s, handler) for s in _SIGNALS}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while the block runs; raise ``KeyboardInterrupt`` after it if one came."""
     got = []
 
     def hold(signum, frame):
@@ -164,14 +176,36 @@ def deferred_interrupts() -> Iterator[None]:
             _interrupted = signum
             got.append(signum)
 
-    previous = {s: signal.signal(s, hold) for s in _SIGNALS}
-    try:
+    with _handled_by(hold):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if got and not _finished:
         _raise()
+
+
+def _at_checks(signum, frame):
+    global _interrupted
+    if _finished:
+        return
+    again = bool(_interrupted)
+    _interrupted = signum
+    if again:
+        _raise()
+
+
+@contextlib.contextmanager
+def interrupts_at_checks() -> Iterator[None]:
+    """While the block runs, a first Ctrl-C or SIGTERM only sets the flag; :func:`check_interrupt` raises it.
+
+    For a training loop that calls :func:`check_interrupt` at every batch's
+    end: the interrupt then never lands inside the framework's own code in
+    the middle of a step, where unwinding frees what the framework's
+    threads still use (TensorFlow can then die of a corrupted heap instead
+    of exiting 130 or 143). A second signal raises at once, for a step that
+    never ends. The flag, if set, is raised when the block ends.
+    """
+    with _handled_by(_at_checks):
+        yield
+    check_interrupt()
 
 
 def remove_stale(out: str) -> list[str]:
