@@ -515,6 +515,13 @@ MUTATIONS = [
         "tests/test_cli_signals.py::test_a_second_signal_stops_at_once"
         " tests/test_cli_signals.py::test_a_signal_inside_a_training_step_stops_fit_when_the_step_is_done",
     ),
+    (
+        "a resume point that does not record the Keras backend: a run resumed on another one",
+        "_cli/checks.py",
+        '        "backend": backend_record(),',
+        '        "backend_unrecorded": None,',
+        "tests/test_cli_signals.py -k own_backend",
+    ),
 ]
 
 

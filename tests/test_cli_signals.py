@@ -212,6 +212,23 @@ def test_an_error_a_signal_caused_after_training_keeps_the_resume_point(monkeypa
     assert sorted(os.listdir(out)) == [".finefreeze-resume"]  # no output of the run is in place
 
 
+def _signal_in_the_second_batch(signum, seen: list):
+    """The command's interrupt callback, which also sends ``signum`` as ``fit``'s second batch begins."""
+    from finefreeze._cli.epochs import stop_on_interrupt
+
+    class SignalInsideTheSecondBatch(type(stop_on_interrupt())):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 1:  # inside fit's step loop, before the step runs
+                signal.raise_signal(signum)
+                seen.append("went on after the signal")
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(f"batch {batch} ended")
+            super().on_train_batch_end(batch, logs)
+
+    return SignalInsideTheSecondBatch
+
+
 @pytest.mark.slow
 def test_a_signal_inside_a_training_step_stops_fit_when_the_step_is_done(monkeypatch, capsys, tmp_path):
     """The first signal only marks the run interrupted; the batch it came in ends, then fit stops at its end.
@@ -224,19 +241,7 @@ def test_a_signal_inside_a_training_step_stops_fit_when_the_step_is_done(monkeyp
     from finefreeze._cli.commands import main
 
     seen = []
-    stop = cli_finetune._stop_on_interrupt()
-
-    class SignalInsideTheSecondBatch(type(stop)):
-        def on_train_batch_begin(self, batch, logs=None):
-            if batch == 1:  # inside fit's step loop, before the step runs
-                signal.raise_signal(signal.SIGTERM)
-                seen.append("went on after the signal")
-
-        def on_train_batch_end(self, batch, logs=None):
-            seen.append(f"batch {batch} ended")
-            super().on_train_batch_end(batch, logs)
-
-    monkeypatch.setattr(cli_finetune, "_stop_on_interrupt", SignalInsideTheSecondBatch)
+    monkeypatch.setattr(cli_finetune, "stop_on_interrupt", _signal_in_the_second_batch(signal.SIGTERM, seen))
     assert main(["finetune", "--out", str(tmp_path / "out"), "--epochs", "1", "-q"]) == 143
     assert seen == ["batch 0 ended", "went on after the signal", "batch 1 ended"]
     assert "interrupted by SIGTERM" in capsys.readouterr().err
@@ -258,3 +263,51 @@ def test_a_second_signal_stops_at_once():
                 got.append("second")
                 check_interrupt()
     assert got == ["first", "second"]
+
+
+@pytest.mark.slow
+def test_a_signal_in_the_bundled_models_pretraining_stops_it_at_the_batchs_end(monkeypatch, capsys, tmp_path):
+    """The bundled base is pretrained by a ``fit`` of its own: a signal stops it between two batches too."""
+    from finefreeze._cli import epochs, finetune  # noqa: F401  (finetune's own name stays the real callback)
+    from finefreeze._cli.commands import main
+
+    seen = []
+    monkeypatch.setattr(epochs, "stop_on_interrupt", _signal_in_the_second_batch(signal.SIGINT, seen))
+    out = tmp_path / "out"
+    assert main(["finetune", "--out", str(out), "--epochs", "1", "-q"]) == 130
+    assert seen == ["batch 0 ended", "went on after the signal", "batch 1 ended"]  # stopped in pretraining's epoch 1
+    assert "interrupted; no file was left half-written" in capsys.readouterr().err
+    assert not out.exists() or os.listdir(out) == []
+
+
+@pytest.mark.slow
+def test_a_run_resumes_on_its_own_backend_only_and_a_finished_run_is_not_resumed(monkeypatch, capsys, tmp_path):
+    """The bundled base is pretrained on the backend, and a step's bits depend on it: another backend is refused."""
+    import finefreeze as ff
+    from finefreeze._cli.commands import main
+
+    def plot_hit_by_the_signal(self, path, **kw):
+        signal.raise_signal(signal.SIGINT)
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(ff.Freezer, "plot", plot_hit_by_the_signal)
+        assert main(["finetune", "--out", str(out), "--epochs", "1", "-q"]) == 130
+    settings = out / ".finefreeze-resume" / "settings.json"
+    saved = json.loads(settings.read_text())
+    assert saved["backend"] == keras.backend.backend()
+    other = "jax" if keras.backend.backend() != "jax" else "torch"
+    settings.write_text(json.dumps({**saved, "backend": other}))  # as a run on another backend wrote it
+    before = sorted(os.listdir(out / ".finefreeze-resume"))
+    capsys.readouterr()
+    assert main(["finetune", "--out", str(out), "--epochs", "1", "-q", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"another KERAS_BACKEND ('{other}' then, '{keras.backend.backend()}' now)" in err, err
+    assert sorted(os.listdir(out / ".finefreeze-resume")) == before and os.listdir(out) == [".finefreeze-resume"]
+
+    settings.write_text(json.dumps(saved))
+    assert main(["finetune", "--out", str(out), "--epochs", "1", "-q", "--resume"]) == 0
+    capsys.readouterr()
+    assert main(["finetune", "--out", str(out), "--epochs", "1", "-q", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "finished (its report.json is there): there is nothing to resume" in err, err

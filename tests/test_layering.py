@@ -255,8 +255,8 @@ SEAM = "_keras"
 NOT_KERAS = {"_exit", "_initializing"}
 #: what asks which Keras backend runs: only ``_backends`` may
 BACKEND_QUESTIONS = {"keras_backend", "keras_is_tensorflow", "tensorflow"}
-#: the environment questions any room may ask (none asks which Keras backend runs)
-ANY_ROOM_MAY_ASK = {"tensorflow_imported", "tensorflow_installed", "is_variable", "is_module"}
+#: the environment questions any room may ask (none branches on the Keras backend; backend_record names it for a record)
+ANY_ROOM_MAY_ASK = {"tensorflow_imported", "tensorflow_installed", "is_variable", "is_module", "backend_record"}
 #: rooms that name the frameworks for another reason than branching on the backend in force
 NAMES_FRAMEWORKS = {"_backends", "_cli"}  # the command line names what to install and what KERAS_BACKEND says
 #: what mutates a dict in place

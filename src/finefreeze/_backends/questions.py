@@ -30,6 +30,7 @@ import sys
 from types import ModuleType
 
 __all__ = [
+    "backend_record",
     "is_module",
     "is_variable",
     "keras_backend",
@@ -45,6 +46,14 @@ def keras_backend() -> str:
     import keras
 
     return keras.backend.backend()
+
+
+def backend_record() -> str:
+    """The Keras backend's name, for a record a later run compares with its own (a resume point's settings).
+
+    Never to branch on: what differs between backends lives in ``_backends``.
+    """
+    return keras_backend()
 
 
 def keras_is_tensorflow() -> bool:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 
+from finefreeze._backends.questions import backend_record
 from finefreeze._cli.causal import CORPUS_SUFFIXES, load_corpus
 from finefreeze._cli.inputs import check_model_file, data_kind, plan_from_keras_file
 from finefreeze._cli.parser import EXPORTED, QUANTIZE_MODES, REBUILT
@@ -87,6 +88,11 @@ def check_finetune(
         load_corpus(data)  # a corpus that cannot train is refused before a framework loads
     if plan is not None and not plan_written and not os.path.exists(plan):
         raise UserError(f"plan file {plan!r} does not exist")
+    if resume and not os.path.isdir(os.path.join(out, RESUME)) and os.path.exists(os.path.join(out, "report.json")):
+        raise UserError(
+            f"--resume: the run in --out {out!r} finished (its report.json is there): there is nothing to resume; "
+            "run without --resume and with --force to start over, or choose another --out"
+        )
     Staging.check(out, OUTPUTS, force=force, inputs=(model_path, data, plan), marker="report.json")
     if plan_written:
         return {}
@@ -122,6 +128,7 @@ def file_digest(path: str | None) -> str | None:
 def _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strategy) -> dict:
     """What a resumed run must share with the interrupted one (files by their contents)."""
     return {
+        "backend": backend_record(),  # the bundled base is pretrained on it; a step's bits depend on it
         "model": file_digest(model_path),
         "data": file_digest(data),
         "plan": file_digest(plan),
@@ -134,6 +141,7 @@ def _settings(model_path, data, plan, optimizer, lr, epochs, batch_size, strateg
 
 
 _WHAT = {
+    "backend": "KERAS_BACKEND",
     "model": "MODEL",
     "data": "--data",
     "plan": "--plan/--select",

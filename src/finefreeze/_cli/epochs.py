@@ -14,10 +14,11 @@ import keras
 import numpy as np
 
 from finefreeze._backends import randomness
+from finefreeze._files.atomic import check_interrupt
 from finefreeze._keras.instances import tag
 from finefreeze._keras.layers import all_layers, seed_generators
 
-__all__ = ["shuffled", "plain", "seed_states"]
+__all__ = ["shuffled", "plain", "seed_states", "stop_on_interrupt"]
 
 
 def shuffled(x, y, batch_size: int, epoch: int, sample_weight=None):
@@ -124,3 +125,23 @@ def seed_states(model, folder: str):
                 os.remove(path(epoch - 1))
 
     return SeedStates()
+
+
+def stop_on_interrupt():
+    """A callback that ends ``fit`` or ``evaluate`` at the end of the batch a Ctrl-C or SIGTERM came in.
+
+    Used inside :func:`~finefreeze._files.atomic.interrupts_at_checks`, which
+    holds the signal for its checks.
+    """
+
+    class StopOnInterrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            check_interrupt()
+
+        def on_test_batch_end(self, batch, logs=None):
+            check_interrupt()
+
+        def on_epoch_end(self, epoch, logs=None):  # after BackupAndRestore saved the epoch
+            check_interrupt()
+
+    return StopOnInterrupt()

@@ -20,7 +20,7 @@ import numpy as np
 from finefreeze._backends.randomness import set_seed
 from finefreeze._cli.causal import default_plan, generate_text, is_causal_lm, lm_loss, perplexity
 from finefreeze._cli.checks import OUTPUTS, RESUME, check_finetune, done_epochs, file_digest
-from finefreeze._cli.epochs import plain, seed_states, shuffled
+from finefreeze._cli.epochs import plain, seed_states, shuffled, stop_on_interrupt
 from finefreeze._cli.inputs import data_kind, load_plan, training_inputs
 from finefreeze._cli.presets import is_causal_preset
 from finefreeze._cli.quantize import quantize_base
@@ -70,27 +70,10 @@ def _optimizer(name: str, lr: float):
     return opt
 
 
-def _stop_on_interrupt():
-    """A callback that ends ``fit`` at the end of the batch a Ctrl-C or SIGTERM came in (see ``_train``)."""
-    import keras
-
-    class StopOnInterrupt(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            check_interrupt()
-
-        def on_test_batch_end(self, batch, logs=None):
-            check_interrupt()
-
-        def on_epoch_end(self, epoch, logs=None):  # after BackupAndRestore saved the epoch
-            check_interrupt()
-
-    return StopOnInterrupt()
-
-
 def _metric(model, val, batch_size: int, name: str) -> float:
     """``name`` (a compiled metric, or the loss) on the validation data."""
     got = plain(model, "evaluate")(
-        val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True, callbacks=[_stop_on_interrupt()]
+        val[0], val[1], batch_size=batch_size, verbose=0, return_dict=True, callbacks=[stop_on_interrupt()]
     )
     return float(got[name])
 
@@ -294,7 +277,7 @@ def _train(stage, point, model, frz, train, val, epochs, batch_size, first_epoch
                     seed_states(model, point),  # before BackupAndRestore: its epoch's seeds are on disk first
                     keras.callbacks.BackupAndRestore(point, delete_checkpoint=False, double_checkpoint=True),
                     board,
-                    _stop_on_interrupt(),
+                    stop_on_interrupt(),
                 ],
             )
     finally:

@@ -67,9 +67,12 @@ def check_model_file(path: str, *, preset: bool = False) -> None:
 def load_model(path: str | None, *, preset: bool = False):
     """A Keras model from a ``.keras`` file (the bundled pretrained model for None), or a preset folder."""
     if path is None:
+        from finefreeze._cli.epochs import stop_on_interrupt
         from finefreeze._data.text_model import pretrained_text_model
+        from finefreeze._files.atomic import interrupts_at_checks
 
-        return pretrained_text_model()
+        with interrupts_at_checks():  # a signal stops the pretraining between two batches
+            return pretrained_text_model(callbacks=[stop_on_interrupt()])
     if preset and is_preset(path):
         return load_preset(path)
     check_model_file(path)

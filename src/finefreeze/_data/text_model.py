@@ -137,7 +137,7 @@ def extend_vocabulary(model, new_tokens: int = NEW_TOKENS, seed: int = 1):
     return big
 
 
-def pretrained_text_model(*, epochs: int = 3, n: int = 4096, verbose: int = 0):
+def pretrained_text_model(*, epochs: int = 3, n: int = 4096, verbose: int = 0, callbacks=None):
     """The bundled "pretrained" model: trained on :func:`make_data` then extended.
 
     Trains :func:`build_text_model` on the pretraining task (a few seconds on
@@ -147,6 +147,7 @@ def pretrained_text_model(*, epochs: int = 3, n: int = 4096, verbose: int = 0):
         epochs: pretraining epochs.
         n: pretraining sequences.
         verbose: Keras verbosity of the pretraining ``fit``.
+        callbacks: Keras callbacks of the pretraining ``fit``.
 
     Returns:
         The extended model, vocabulary ``VOCAB + NEW_TOKENS``.
@@ -158,5 +159,5 @@ def pretrained_text_model(*, epochs: int = 3, n: int = 4096, verbose: int = 0):
         metrics=["accuracy"],
     )
     x, y = make_data(n, new_tokens=False)
-    model.fit(x, y, epochs=epochs, batch_size=64, verbose=verbose)
+    model.fit(x, y, epochs=epochs, batch_size=64, verbose=verbose, callbacks=callbacks)
     return extend_vocabulary(model)
