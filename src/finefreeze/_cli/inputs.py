@@ -17,7 +17,7 @@ import numpy as np
 
 from finefreeze._cli.causal import causal_task
 from finefreeze._cli.presets import base_from_preset, check_preset, is_causal_preset, is_preset, load_preset, text_task
-from finefreeze._files.atomic import UserError
+from finefreeze._files.atomic import UserError, interrupts_at_checks
 from finefreeze._keras.layers import all_layers, inbound_tensors
 
 __all__ = [
@@ -69,7 +69,6 @@ def load_model(path: str | None, *, preset: bool = False):
     if path is None:
         from finefreeze._cli.epochs import stop_on_interrupt
         from finefreeze._data.text_model import pretrained_text_model
-        from finefreeze._files.atomic import interrupts_at_checks
 
         with interrupts_at_checks():  # a signal stops the pretraining between two batches
             return pretrained_text_model(callbacks=[stop_on_interrupt()])
