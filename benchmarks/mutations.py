@@ -536,6 +536,13 @@ MUTATIONS = [
         "value = np.ascontiguousarray(np.asarray(var.numpy()))",
         "tests/test_float8.py -k delta",
     ),
+    (
+        "select scores float8's scales and amax histories as weights",
+        "_select/select.py",
+        "if not vi.base_trainable or vi.overwritten:",
+        "if not vi.base_trainable:",
+        "tests/test_float8.py -k select",
+    ),
 ]
 
 

@@ -17,14 +17,15 @@ import finefreeze as ff
 STATISTICS = ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history")
 
 
-def _net():
+def _net(float8=True):
     keras.utils.set_random_seed(0)
     inp = keras.Input((16,))
     h = keras.layers.Dense(32, name="a", activation="relu")(inp)
     h = keras.layers.EinsumDense("bd,dh->bh", 24, bias_axes="h", name="e")(h)
     out = keras.layers.Dense(4, name="b")(h)
     m = keras.Model(inp, out)
-    m.quantize("float8")
+    if float8:
+        m.quantize("float8")
     return m
 
 
@@ -116,3 +117,37 @@ def test_a_float8_delta_loads_into_a_fresh_model_with_its_statistics(tmp_path):
     want, got = _values(model), _values(fresh)
     for path in want:
         assert np.array_equal(want[path], got[path]), path
+
+
+def test_select_leaves_float8_statistics_out_or_says_to_select_before_quantize():
+    model = _net()
+    before = _values(model)
+    try:
+        plan = ff.select(model, _data(), budget=0.05, loss=keras.losses.MeanSquaredError())
+    except ff.PlanError as e:  # PyTorch: torch.func cannot differentiate Keras' float8 autograd.Function
+        assert "Select on the model before quantize()" in str(e)
+    else:  # TensorFlow, JAX: the kernels' elements, never a statistic (which a Freezer refuses to be named)
+        assert not any(name in str(plan.to_dict()) for name in ("_scale", "amax_history"))
+        frz = ff.Freezer(model, plan)
+        assert frz.report()["totals"]["trainable_elements"] > 0
+    after = _values(model)
+    assert all(np.array_equal(before[p], after[p]) for p in before)
+
+
+def test_a_float8_delta_into_a_float_model_says_to_quantize_it(tmp_path):
+    model = _net()
+    frz = ff.Freezer(model, [ff.freeze("**"), ff.train("**/a/kernel", columns="25%")])
+    frz.save_delta(tmp_path / "d.safetensors")
+    float_model = _net(float8=False)
+    with pytest.raises(ff.DeltaError, match=r"quantized to float8.*model\.quantize\('float8'\)"):
+        ff.load_delta(float_model, tmp_path / "d.safetensors")
+
+
+def test_quantize_after_the_freezer_is_refused_naming_the_new_statistics():
+    model = _net(float8=False)
+    frz = ff.Freezer(model, [ff.freeze("**"), ff.train("**/b/kernel", columns="50%")])
+    _fit(model, frz.wrap(keras.optimizers.Adam(1e-2)))
+    model.quantize("float8")
+    with pytest.raises(ff.PlanError, match=r"a/inputs_scale") as caught:
+        model.fit(*_data(), batch_size=16, verbose=0)
+    assert "never saw" in str(caught.value) or "not built on" in str(caught.value)

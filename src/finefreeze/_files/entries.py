@@ -20,6 +20,7 @@ import numpy as np
 from finefreeze._backends.read import read
 from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile
+from finefreeze._keras.quantized import FLOAT8_STATISTICS
 from finefreeze._resolve.fingerprint import block_hashes
 from finefreeze._resolve.targets import collect, match_path
 from finefreeze._slices.held import delta_elements, delta_values, foreign_delta, hold_delta
@@ -144,7 +145,13 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
         except PlanError as err:
             raise DeltaError(f"{source}: {err}") from None
         if vi is None:
-            raise DeltaError(f"{source}: the base has no variable {p!r} (shape {e.shape}).")
+            hint = (
+                " The delta was made on a model Keras quantized to float8 (this is one of its scales or amax "
+                "histories): quantize this base the same way (model.quantize('float8')) first."
+                if p.rsplit("/", 1)[-1] in FLOAT8_STATISTICS
+                else ""
+            )
+            raise DeltaError(f"{source}: the base has no variable {p!r} (shape {e.shape}).{hint}")
         shape, dtype = tuple(vi.shape), vi.dtype
         if vi.quantized != e.quantized:
             raise DeltaError(f"{source}: {quantized_mismatch(p, vi.quantized, e.quantized)}")
