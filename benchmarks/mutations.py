@@ -522,6 +522,27 @@ MUTATIONS = [
         '        "backend_unrecorded": None,',
         "tests/test_cli_signals.py -k own_backend",
     ),
+    (
+        "float8's scales and amax histories decided by the plan's rules, not by their layer",
+        "_resolve/resolve.py",
+        "        states = _follow_layers(states)\n",
+        "        states = [dataclasses.replace(s, state=FROZEN) if s.info.overwritten else s for s in states]\n",
+        "tests/test_float8.py -k statistics",
+    ),
+    (
+        "a scalar variable written to a delta file as a vector of one",
+        "_files/delta.py",
+        'value = np.asarray(var.numpy(), order="C")',
+        "value = np.ascontiguousarray(np.asarray(var.numpy()))",
+        "tests/test_float8.py -k delta",
+    ),
+    (
+        "select scores float8's scales and amax histories as weights",
+        "_select/select.py",
+        "if not vi.base_trainable or vi.overwritten:",
+        "if not vi.base_trainable:",
+        "tests/test_float8.py -k select",
+    ),
 ]
 
 

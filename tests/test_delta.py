@@ -86,3 +86,17 @@ def test_scattered_elements_round_trip(tmp_path):
     base = keras.Variable(np.arange(100, dtype="float32").reshape(10, 10), name="w")
     ff.load_delta([base], tmp_path / "d.safetensors")
     assert np.array_equal(base.numpy(), w.numpy())
+
+
+def test_a_delta_of_a_model_keras_named_says_to_name_the_models_alike(tmp_path):
+    def seq():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="d")])
+
+    trained = seq()
+    frz = ff.Freezer(trained, [ff.freeze("**"), ff.train("**/d/kernel")])
+    frz.save_delta(tmp_path / "d.safetensors")
+    other = seq()  # Keras names it sequential_N
+    assert other.name != trained.name
+    with pytest.raises(ff.DeltaError, match=rf"named '{other.name}' here and was '{trained.name}'.*same name"):
+        ff.load_delta(other, tmp_path / "d.safetensors")

@@ -654,6 +654,14 @@ def test_a_lora_layer_keeps_keras_own_call_and_a_quantized_kernel_gets_a_delta_b
 # -- quantized ---------------------------------------------------------------------------------------------------
 
 
+def test_float8_statistics():
+    for layer in (keras.layers.Dense(4), keras.layers.EinsumDense("ab,bc->ac", 4)):
+        layer.build((None, 3))
+        layer.quantize("float8")
+        overwritten = {v.path.rsplit("/", 1)[-1] for v in layer.weights if v.overwrite_with_gradient}
+        assert overwritten == quantized.FLOAT8_STATISTICS
+
+
 def _quantized_dense(mode, activation="tanh"):
     rng = np.random.default_rng(0)
     d = keras.layers.Dense(6, activation=activation)

@@ -48,7 +48,7 @@ def save_delta(frz, path: str | os.PathLike, *, base: dict | None = None) -> dic
         if st.info.quantized is not None:  # its float delta, and a digest of its integers whole
             meta_vars[p] = _quantized(p, st, kind, tensors)
             continue
-        value = np.ascontiguousarray(np.asarray(var.numpy()))
+        value = np.asarray(var.numpy(), order="C")  # a scalar stays one (ascontiguousarray makes it 1-D)
         info = {"shape": list(value.shape), "dtype": str(value.dtype), "kind": kind}
         if kind in ("trainable", "untrained"):
             tensors[p] = value

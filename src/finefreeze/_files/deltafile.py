@@ -147,7 +147,7 @@ def write(
     base: dict | None = None,
 ) -> None:
     """Write a delta to ``path`` (the caller makes it atomic); the same arguments give the same bytes."""
-    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    tensors = {k: np.asarray(v, order="C") for k, v in tensors.items()}  # (ascontiguousarray makes a scalar 1-D)
     table = {
         k: {"dtype": str(v.dtype), "shape": list(v.shape), "sha256": _sha256(v)} for k, v in sorted(tensors.items())
     }

@@ -20,6 +20,7 @@ import numpy as np
 from finefreeze._backends.read import read
 from finefreeze._errors import DeltaError, PlanError
 from finefreeze._files import deltafile
+from finefreeze._keras.quantized import FLOAT8_STATISTICS
 from finefreeze._resolve.fingerprint import block_hashes
 from finefreeze._resolve.targets import collect, match_path
 from finefreeze._slices.held import delta_elements, delta_values, foreign_delta, hold_delta
@@ -124,6 +125,20 @@ class Bound:
     variable: Any
 
 
+def _renamed_root(path: str, by_path: dict) -> str:
+    """A hint when ``path`` is in the base under another first name (Keras numbers unnamed models), or ""."""
+    head, sep, rest = path.partition("/")
+    other = next((k for k in by_path if sep and k.partition("/")[2] == rest and k.partition("/")[0] != head), None)
+    if other is None:
+        return ""
+    here = other.partition("/")[0]
+    return (
+        f" The base has {other!r}: the model is named {here!r} here and was {head!r} where the delta was saved "
+        "(Keras numbers models it names itself: sequential, sequential_1, ...). Give both the same name "
+        "(keras.Sequential(..., name=...) or keras.Model(..., name=...))."
+    )
+
+
 def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
     """Check ``entries`` against ``target``'s variables as they are now; the entries that write, bound.
 
@@ -144,7 +159,13 @@ def bind(target: Any, entries: dict[str, Entry], source: str) -> list[Bound]:
         except PlanError as err:
             raise DeltaError(f"{source}: {err}") from None
         if vi is None:
-            raise DeltaError(f"{source}: the base has no variable {p!r} (shape {e.shape}).")
+            hint = (
+                " The delta was made on a model Keras quantized to float8 (this is one of its scales or amax "
+                "histories): quantize this base the same way (model.quantize('float8')) first."
+                if p.rsplit("/", 1)[-1] in FLOAT8_STATISTICS
+                else _renamed_root(p, by_path)
+            )
+            raise DeltaError(f"{source}: the base has no variable {p!r} (shape {e.shape}).{hint}")
         shape, dtype = tuple(vi.shape), vi.dtype
         if vi.quantized != e.quantized:
             raise DeltaError(f"{source}: {quantized_mismatch(p, vi.quantized, e.quantized)}")

@@ -13,6 +13,7 @@ below names the one it relies on.
 from __future__ import annotations
 
 __all__ = [
+    "FLOAT8_STATISTICS",
     "QUANTIZED_KINDS",
     "is_quantized",
     "logical_shape",
@@ -24,6 +25,11 @@ __all__ = [
 
 #: the quantization modes whose kernels a plan may train a part of (a float delta beside the kernel)
 QUANTIZED_KINDS = ("int8", "int4")
+
+#: the variables ``quantize("float8")`` adds to a ``Dense`` / ``EinsumDense`` (each ``overwrite_with_gradient``)
+FLOAT8_STATISTICS = frozenset(
+    f"{part}_{kind}" for part in ("inputs", "kernel", "outputs_grad") for kind in ("scale", "amax_history")
+)
 
 
 def is_quantized(layer) -> str | None:

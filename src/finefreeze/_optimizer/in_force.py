@@ -154,6 +154,16 @@ def check_stateless(built: list | None, trainable_variables, frz) -> None:
             )
         if frz is not None and frz._switched():
             raise PlanError(_switch_message(frz._switched()))
+        if frz is not None:  # the model's variables neither built on nor seen by the Freezer: made after it
+            known = {id(v) for v in built} | {id(vi.variable) for vi in frz._res.target.variables}
+            current = getattr(frz._res.target.obj, "trainable_variables", None) or ()
+            new = [v.path for v in current if id(v) not in known]  # (the step hands values, not variables)
+            if new:
+                raise PlanError(
+                    f"the model now trains {len(new)} variables this optimizer's Freezer never saw ({', '.join(new[:3])}"
+                    f"{', ...' if len(new) > 3 else ''}): the model made them after the Freezer (model.quantize() "
+                    "after it, a layer built later). Make the Freezer once the model is complete, then compile."
+                )
         which = _which(frz)
         raise PlanError(
             f"the plan this optimizer enforces is not the one in force: training hands it "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from finefreeze._enforce.policy import sparse_gradients
 from finefreeze._report.groups import batchnorm_line, build_groups, partial_label
 from finefreeze._report.state_size import optimizer_state
-from finefreeze._resolve.resolve import FROZEN, PARTIAL, TRAINABLE, UNTRAINED
+from finefreeze._resolve.resolve import FOLLOWS_LAYER, FROZEN, PARTIAL, TRAINABLE, UNTRAINED
 from finefreeze._slices.choose import SAMPLED_KINDS, sliced_gradient
 
 __all__ = ["build_report", "format_summary"]
@@ -22,6 +22,8 @@ KERAS_WORDS = {
 def _decider(plan, idx: int, words: dict) -> str:
     if idx >= len(plan.rules):
         return f"batchnorm={plan.batchnorm!r}"
+    if idx == FOLLOWS_LAYER:  # float8's scales and amax histories: their layer's state
+        return "its layer"
     return words["untouched"] if idx < 0 else f"{idx + 1}: {plan.rules[idx]!r}"
 
 

@@ -2,9 +2,13 @@
 
 For every element the last rule that selects it decides; elements no rule
 selects keep their Keras state. Variables Keras does not train by nature
-(moving statistics, seed states) are outside plans; a base kernel that
-``enable_lora`` switched off is a plan target, frozen unless a rule trains it. The result records, per variable, its state, its frozen mask (stored
-compactly) and which rules decided how many elements.
+(moving statistics, seed states) are outside plans; so are the statistics
+Keras overwrites with each step's value (float8's scales and amax
+histories), which train while their layer trains anything and stay fixed
+with a frozen layer. A base kernel that ``enable_lora`` switched off is a
+plan target, frozen unless a rule trains it. The result records, per
+variable, its state, its frozen mask (stored compactly) and which rules
+decided how many elements.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ from finefreeze._resolve.scopes import ambiguity_note
 from finefreeze._resolve.standins import standin_note
 from finefreeze._resolve.targets import Target, VarInfo
 
-__all__ = ["VarState", "Resolution", "resolve"]
+__all__ = ["FOLLOWS_LAYER", "VarState", "Resolution", "resolve"]
 
 TRAINABLE, FROZEN, PARTIAL, UNTRAINED = "trainable", "frozen", "partial", "untrained"
+#: ``decided_by``'s decider of a statistic that takes its layer's state (:func:`_follow_layers`); -1: no rule
+FOLLOWS_LAYER = -2
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -207,11 +213,17 @@ def resolve(plan: Plan, target: Target, *, selecting: bool = False) -> Resolutio
     scales = np.array([1.0] + [r.lr_scale if r.lr_scale is not None else 1.0 for r in rules])
     states = []
     untrained_hits: list[list[str]] = [[] for _ in rules]
+    overwritten_hits: list[list[str]] = [[] for _ in rules]
     masks: dict = {}  # a rule's mask= broadcast to a shape, computed once
     for vi, matching in zip(target.variables, _matching(rules, target)):
         if not vi.base_trainable:
             for i in matching:
                 untrained_hits[i].append(vi.path)
+            states.append(VarState(vi, UNTRAINED, None, ((-1, vi.size),)))
+            continue
+        if vi.overwritten:  # a statistic of its layer (float8's): rules pass over it, its layer decides
+            for i in matching:
+                overwritten_hits[i].append(vi.path)
             states.append(VarState(vi, UNTRAINED, None, ((-1, vi.size),)))
             continue
         uniform = -1  # index into rules, -1 = Keras state
@@ -240,13 +252,15 @@ def resolve(plan: Plan, target: Target, *, selecting: bool = False) -> Resolutio
                 f"columns=, heads=, an index, a mask or select), freeze it (ff.freeze({vi.path!r}) after broader "
                 "train rules), or train LoRA on it."
             )
-    _check_hits(plan, target, hits, untrained_hits)
+    _check_hits(plan, target, hits, untrained_hits, overwritten_hits)
     if not any(s.state in (TRAINABLE, PARTIAL) for s in states):
         raise PlanError(
             f"the plan {plan!r} leaves nothing to train in this "
             f"{target.kind} target ({len(states)} variables); add a train(...) rule "
             "or narrow a freeze(...) rule."
         )
+    if not selecting:
+        states = _follow_layers(states)
     frozen_bn = () if plan.batchnorm == "stats" else _frozen_bn_layers(target, states)
     return Resolution(plan, target, tuple(states), frozen_bn)
 
@@ -302,13 +316,40 @@ def _state(vi, uniform, dec, freezes, scales) -> VarState:
     return VarState(vi, PARTIAL, ElementMask.from_dense(frozen), decided, lr_scale, lr_scales)
 
 
-def _check_hits(plan, target, hits, untrained_hits):
+def _follow_layers(states: list[VarState]) -> list[VarState]:
+    """Statistics Keras overwrites (float8's scales and amax histories) take their layer's state.
+
+    Keras writes each step's new value into them through the optimizer (their
+    "gradient", ``overwrite_with_gradient``), as it updates a layer's moving
+    statistics in the forward pass: they are how the layer computes, not
+    weights. Where any other variable of their layer trains (any element),
+    they train whole, as in plain Keras; where none does, they stay fixed and
+    ``verify`` covers them, as ``layer.trainable = False`` keeps them.
+    """
+    training = {id(s.info.owner) for s in states if s.state in (TRAINABLE, PARTIAL) and s.info.owner is not None}
+    return [
+        dataclasses.replace(
+            s, state=TRAINABLE if id(s.info.owner) in training else FROZEN, decided_by=((FOLLOWS_LAYER, s.info.size),)
+        )
+        if s.info.overwritten and s.info.base_trainable
+        else s
+        for s in states
+    ]
+
+
+def _check_hits(plan, target, hits, untrained_hits, overwritten_hits):
     paths = [p for vi in target.variables for p in vi.names]
     for i, (rule, n) in enumerate(zip(plan.rules, hits)):
         if n:
             continue
         text = str(rule.selector.to_json()) if hasattr(rule.selector, "pattern") else repr(rule.selector)
-        if untrained_hits[i]:
+        if overwritten_hits[i]:
+            why = (
+                f"it matches only statistics Keras overwrites at each step "
+                f"({', '.join(overwritten_hits[i][:3])}: float8's scales and amax histories); those follow "
+                "their layer: they train while anything of it trains, and stay fixed when all of it is frozen"
+            )
+        elif untrained_hits[i]:
             why = (
                 f"it matches only variables Keras does not train "
                 f"({', '.join(untrained_hits[i][:3])}); those stay outside plans"

@@ -102,6 +102,9 @@ class VarInfo:
     # the quantization mode of a quantized kernel (int8, int4): ``shape`` is the float kernel's, and what trains
     # of it is a float delta beside it (``_slices.quantized``); None for every other variable
     quantized: str | None = None
+    # a statistic Keras overwrites with each step's "gradient" (``overwrite_with_gradient``: float8's scales
+    # and amax histories): outside plans, it trains while its layer does (``resolve``)
+    overwritten: bool = False
 
     @property
     def size(self) -> int:
@@ -255,6 +258,7 @@ def _collect_keras(root) -> Target:
                     is_keras=True,
                     switched_off=off,
                     quantized=mode,
+                    overwritten=bool(getattr(v, "overwrite_with_gradient", False)),
                 )
             )
         for sub in sublayers(layer):

@@ -269,7 +269,7 @@ def _candidates(model, include, exclude) -> tuple[list, list[np.ndarray]]:
     exc = _selected(exclude, target, "exclude")
     cand, allowed = [], []
     for vi in target.variables:
-        if not vi.base_trainable:
+        if not vi.base_trainable or vi.overwritten:  # float8's statistics: no weights, they follow their layer
             continue
         if vi.quantized is not None:
             raise PlanError(

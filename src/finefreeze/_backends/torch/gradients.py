@@ -14,13 +14,36 @@ from finefreeze._errors import PlanError
 __all__ = ["Gradients"]
 
 
+def _differentiable(fn):
+    """``fn`` (a ``torch.func`` gradient), with PyTorch's refusal of an old-style ``autograd.Function`` as a PlanError.
+
+    ``torch.func`` differentiates only an ``autograd.Function`` that defines
+    ``setup_context``; Keras' float8 layers compute with one that does not.
+    """
+
+    def run(*args):
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            if "setup_context" not in str(e):
+                raise
+            raise PlanError(
+                "select: PyTorch's torch.func cannot differentiate this model: one of its layers computes with a "
+                "torch.autograd.Function that has no setup_context (Keras' float8 layers, after "
+                "quantize('float8'), do). Select on the model before quantize() (the plan it returns applies "
+                "after it), or on TensorFlow or JAX."
+            ) from None
+
+    return run
+
+
 class Gradients(Grads):
     def __init__(self, model, variables, loss_fn, mode):
         others = others_of(model, variables)
         f = pure_loss(model, variables, others, loss_fn)
         self.variables, self.others, self.mode = variables, others, mode
         self.accs = [torch.zeros(tuple(v.shape), dtype=torch.float32, device=v.value.device) for v in variables]
-        batch_grads = grad(lambda values, ovals, x, y: f(values, ovals, x, y, False)[0])
+        batch_grads = _differentiable(grad(lambda values, ovals, x, y: f(values, ovals, x, y, False)[0]))
 
         def example_grads(values, ovals, xi, yi):
             return batch_grads(values, ovals, one_example(xi), one_example(yi))
@@ -84,7 +107,7 @@ class Gradients(Grads):
     def train_step(model, variables, loss_fn, optimizer):
         others = others_of(model, variables)
         f = pure_loss(model, variables, others, loss_fn)
-        grads = grad(lambda values, ovals, x, y: f(values, ovals, x, y, True), has_aux=True)
+        grads = _differentiable(grad(lambda values, ovals, x, y: f(values, ovals, x, y, True), has_aux=True))
 
         def step(x, y):
             values = [v.value.detach() for v in variables]
