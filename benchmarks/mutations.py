@@ -543,6 +543,13 @@ MUTATIONS = [
         "if not vi.base_trainable:",
         "tests/test_float8.py -k select",
     ),
+    (
+        "a rule on a gptq kernel told only that Keras does not train it, not which modes a plan trains",
+        "_resolve/resolve.py",
+        ") + quantization_note(target, untrained_hits[i])",
+        ")",
+        "tests/test_quantized.py -k gptq",
+    ),
 ]
 
 

@@ -615,3 +615,58 @@ def test_an_untied_quantized_tables_rows_leave_the_logits_to_the_output_table():
     looked = np.asarray(keras.ops.convert_to_numpy(table(ids)))
     assert np.array_equal(looked[0, 0], (keras_own[0, 0] + 1).astype("float32"))
     assert np.array_equal(looked[0, 1], keras_own[0, 1])
+
+
+def _gptq_net():
+    """An embedding, a block of two ``Dense`` that GPTQ quantizes (calibrated on random ids), a float head."""
+    from keras.quantizers import GPTQConfig
+
+    class Block(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.d1, self.d2 = keras.layers.Dense(32, name="d1"), keras.layers.Dense(16, name="d2")
+
+        def call(self, x):
+            return x + self.d2(keras.activations.relu(self.d1(x)))
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16,), dtype="int32")
+    emb, block = keras.layers.Embedding(64, 16, name="emb"), Block(name="block")
+    out = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling1D()(block(emb(inp))))
+    model = keras.Model(inp, out)
+
+    def tokenize(x):
+        return np.asarray(x, dtype=np.int64).reshape(1, -1)
+
+    tokenize.tokenize = tokenize
+    rng = np.random.default_rng(0)
+    config = GPTQConfig(
+        dataset=[rng.integers(0, 64, (1, 16)) for _ in range(8)],
+        tokenizer=tokenize,
+        weight_bits=4,
+        num_samples=8,
+        sequence_length=16,
+        group_size=-1,
+        quantization_layer_structure={"pre_block_layers": [emb], "sequential_blocks": [block]},
+    )
+    model.quantize("gptq", config=config, filters=lambda layer: layer.name in ("d1", "d2"))
+    return model
+
+
+@pytest.mark.slow
+def test_a_gptq_model_trains_around_its_kernels_and_a_rule_on_them_says_which_modes_train():
+    model = _gptq_net()
+    assert model.get_layer("block").d1.quantization_mode == "gptq"
+    before = _bytes(model)
+    with pytest.raises(ff.PlanError, match=r"'block/d1/kernel' holds the gptq-quantized integers.*int8 or int4"):
+        ff.Freezer(model, [ff.freeze("**"), ff.train("**/d1/kernel", columns="25%")])
+    frz = ff.Freezer(model, [ff.freeze("**"), ff.train("**/head/**")])
+    model.compile(optimizer=frz.wrap(keras.optimizers.Adam(1e-2)), loss="sparse_categorical_crossentropy")
+    rng = np.random.default_rng(1)
+    model.fit(rng.integers(0, 64, (32, 16)), rng.integers(0, 3, (32,)), verbose=0)
+    frz.verify()
+    after = _bytes(model)
+    assert not np.array_equal(before["head/kernel"], after["head/kernel"])
+    for path in before:
+        if not path.startswith("head/"):
+            assert np.array_equal(before[path], after[path]), path

@@ -28,7 +28,7 @@ from finefreeze._resolve.axes import fraction_mask
 from finefreeze._resolve.masks import ElementMask
 from finefreeze._resolve.scopes import ambiguity_note
 from finefreeze._resolve.standins import standin_note
-from finefreeze._resolve.targets import Target, VarInfo
+from finefreeze._resolve.targets import Target, VarInfo, quantization_note
 
 __all__ = ["FOLLOWS_LAYER", "VarState", "Resolution", "resolve"]
 
@@ -353,7 +353,7 @@ def _check_hits(plan, target, hits, untrained_hits, overwritten_hits):
             why = (
                 f"it matches only variables Keras does not train "
                 f"({', '.join(untrained_hits[i][:3])}); those stay outside plans"
-            )
+            ) + quantization_note(target, untrained_hits[i])
         elif rule.picks_elements and any(rule.selector.matches(vi, target) for vi in target.variables):
             why = "it matches variables but zero of their elements"
         else:

@@ -26,7 +26,7 @@ from finefreeze._keras.quantized import QUANTIZED_KINDS, is_quantized, logical_s
 from finefreeze._resolve.scopes import drop_ambiguous_aliases, scoped_aliases
 from finefreeze._resolve.standins import is_standin_layer
 
-__all__ = ["VarInfo", "Target", "collect", "var_path"]
+__all__ = ["VarInfo", "Target", "collect", "quantization_note", "var_path"]
 
 _BASE_ATTR = "_finefreeze_base_trainable"
 
@@ -353,3 +353,16 @@ def _collect_module(module) -> Target:
         )
     layers = [module] + list(module.submodules)
     return Target(module, "module", infos, layers)
+
+
+def quantization_note(target: Target, paths: list[str]) -> str:
+    """A note when one of ``paths`` is the kernel of a layer quantized in a mode no plan trains (gptq, awq), or ""."""
+    for vi in target.variables:
+        mode = is_quantized(vi.owner) if vi.path in paths and vi.path.endswith("kernel") else None
+        if mode is not None and mode not in QUANTIZED_KINDS:
+            return (
+                f" ({vi.path!r} holds the {mode}-quantized integers of its layer's kernel: a plan trains a part of "
+                f"a kernel quantized to {' or '.join(QUANTIZED_KINDS)}, as a float delta beside it, never of a "
+                f"{mode} one; quantize the layer with one of those, or train other variables)"
+            )
+    return ""
