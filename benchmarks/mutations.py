@@ -550,6 +550,13 @@ MUTATIONS = [
         ")",
         "tests/test_quantized.py -k gptq",
     ),
+    (
+        "SIGTERM while the command line loads kills it with nothing said",
+        "_cli/entry.py",
+        "    atomic.raise_on_interrupts()  #",
+        "    pass  #",
+        "tests/test_cli_signals.py -k loads",
+    ),
 ]
 
 

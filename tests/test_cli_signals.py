@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 
+import finefreeze
 from finefreeze._files.atomic import Staging
 from test_cli_outputs import wait_for  # noqa: E402  (tests/ is on the path)
 
@@ -127,6 +128,41 @@ def test_a_resumed_run_with_dropout_draws_the_masks_of_the_uninterrupted_run(tmp
     assert code == 0, err[-3000:]
     assert json.loads((out / "report.json").read_text())["finetune"]["resumed_after_epoch"] >= 1
     assert weights_and_state(out / "tuned.keras") == weights_and_state(tmp_path / "straight" / "tuned.keras")
+
+
+#: a real process that receives ``{signal}`` as its command line's modules start to import (about 0.2 s after start)
+SIGNAL_WHILE_LOADING = """
+import os, sys
+
+class SignalOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "finefreeze._cli.commands":
+            os.kill(os.getpid(), {signal})
+        return None
+
+sys.meta_path.insert(0, SignalOnImport())
+sys.argv = ["finefreeze", "inspect"]
+from finefreeze._cli.entry import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("sig, code, how", [(signal.SIGINT, 130, ""), (signal.SIGTERM, 143, " by SIGTERM")])
+def test_a_signal_while_the_command_line_loads_says_one_line_and_exits_with_its_code(sig, code, how):
+    script = SIGNAL_WHILE_LOADING.format(signal=int(sig))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
+    assert (proc.returncode, proc.stdout) == (code, ""), proc.stderr[-2000:]
+    assert proc.stderr == f"finefreeze: interrupted{how} while it loaded; nothing was written\n"
+
+
+def test_the_console_script_and_python_m_run_the_entry_that_catches_early_signals():
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["scripts"] == {"finefreeze": "finefreeze._cli.entry:main"}
+    with open(os.path.join(os.path.dirname(finefreeze.__file__), "__main__.py")) as f:
+        assert "from finefreeze._cli.entry import main\n" in f.read()
 
 
 @pytest.mark.slow

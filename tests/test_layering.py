@@ -46,6 +46,8 @@ LOCAL_IMPORTS = {
     # imports torch at its top: only once a step runs on PyTorch (the interface's modules are all imported
     # by its test, on every backend); a class made in the step instead would split a torch.compile'd one
     ("finefreeze._backends.torch", "finefreeze._backends.torch.autograd_function"),
+    # the console script catches Ctrl-C and SIGTERM before the command line's modules load
+    ("finefreeze._cli.entry", "finefreeze._cli.commands"),
 }
 #: modules whose local imports are all deliberate: the command line imports Keras only once a command runs
 LAZY_MODULES = {

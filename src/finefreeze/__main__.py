@@ -2,6 +2,6 @@
 
 import sys
 
-from finefreeze._cli.commands import main
+from finefreeze._cli.entry import main
 
 sys.exit(main())

@@ -1,6 +1,7 @@
 """Room of the command line: ``finefreeze finetune``, ``inspect``, ``verify``, ``delta``, ``generate``.
 
-Owns: the commands and exit codes (``commands``), their arguments (``parser``), ``delta export`` and
+Owns: the console script, which catches signals from its first step (``entry``), the commands and exit
+codes (``commands``), their arguments (``parser``), ``delta export`` and
 ``delta apply`` (``deltas``), the checks
 before a framework loads (``checks``), the main job
 (``finetune``) and its batches (``epochs``), checked inputs (``inputs``), KerasHub preset folders and

@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     script): once it is done, Ctrl-C and SIGTERM are ignored, so the exit
     status stays what the command returned.
     """
-    quiet_tensorflow()
     name = "finefreeze"
     try:
+        quiet_tensorflow()  # inside the try: a signal the console script caught early is the interrupt
         with catch_interrupts(own_process=argv is None):
             args = build_parser().parse_args(argv)
             name += f" {args.command}" + (f" {args.delta_command}" if args.command == "delta" else "")

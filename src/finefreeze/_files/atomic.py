@@ -32,6 +32,7 @@ __all__ = [
     "same_file",
     "catch_interrupts",
     "check_interrupt",
+    "raise_on_interrupts",
     "interrupted",
 ]
 
@@ -118,6 +119,13 @@ def _on_signal(signum, frame):
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def raise_on_interrupts() -> None:
+    """Ctrl-C and SIGTERM raise ``KeyboardInterrupt`` (:class:`Terminated`) until :func:`catch_interrupts` runs."""
+    if _main_thread():
+        for s in _SIGNALS:
+            signal.signal(s, _on_signal)
 
 
 @contextlib.contextmanager
