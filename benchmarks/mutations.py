@@ -557,6 +557,13 @@ MUTATIONS = [
         "    pass  #",
         "tests/test_cli_signals.py -k loads",
     ),
+    (
+        "a command started ignoring Ctrl-C (`cmd &` in a script) stops at one",
+        "_files/atomic.py",
+        " if signal.getsignal(s) is not signal.SIG_IGN]",
+        "]",
+        "tests/test_cli_signals.py -k ignoring",
+    ),
 ]
 
 

@@ -4,11 +4,19 @@ Which Keras backend runs which test is ``tests/keras_backends.py``'s, a plugin
 the repository's top ``conftest.py`` loads before this file.
 """
 
+import signal
+
 import keras
 import numpy as np
 import pytest
 
 BACKEND = keras.backend.backend()
+
+# The signal tests send Ctrl-C to the commands they run (in this process and in processes it starts), which
+# keep ignoring it when they start ignoring it: a suite started with Ctrl-C ignored (`pytest &` in a script)
+# hears it as Python does by default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if BACKEND == "tensorflow":
     import tensorflow as tf

@@ -155,6 +155,20 @@ def test_a_signal_while_the_command_line_loads_says_one_line_and_exits_with_its_
     assert proc.stderr == f"finefreeze: interrupted{how} while it loaded; nothing was written\n"
 
 
+def test_a_command_started_ignoring_ctrl_c_keeps_ignoring_it():
+    # as a script's shell starts `finefreeze ... &`: a Ctrl-C while it loads and one while it runs (as it imports
+    # Keras) change nothing
+    script = SIGNAL_WHILE_LOADING.format(signal=int(signal.SIGINT))
+    script = script.replace('name == "finefreeze._cli.commands"', 'name in ("finefreeze._cli.commands", "keras")')
+    script = script.replace('"inspect"]', '"inspect", "--json"]')
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["totals"]["trainable_elements"] > 0
+
+
 def test_the_console_script_and_python_m_run_the_entry_that_catches_early_signals():
     import tomllib
 

@@ -118,13 +118,14 @@ def _on_signal(signum, frame):
     _raise()
 
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+def _heard() -> list[int]:  # SIGINT and SIGTERM; one the process was started ignoring (``cmd &``) stays ignored
+    return [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
 
 
 def raise_on_interrupts() -> None:
     """Ctrl-C and SIGTERM raise ``KeyboardInterrupt`` (:class:`Terminated`) until :func:`catch_interrupts` runs."""
     if _main_thread():
-        for s in _SIGNALS:
+        for s in _heard():
             signal.signal(s, _on_signal)
 
 
@@ -143,7 +144,7 @@ def catch_interrupts(own_process: bool = False) -> Iterator[None]:
     if not _main_thread():
         yield
         return
-    previous = {s: signal.signal(s, _on_signal) for s in _SIGNALS}
+    previous = {s: signal.signal(s, _on_signal) for s in _heard()}
     hook = sys.unraisablehook
 
     def quiet(unraisable):  # an interrupt that landed in a callback: the flag carries it, not a traceback
@@ -165,7 +166,7 @@ def _handled_by(handler) -> Iterator[None]:
     if not _main_thread():
         yield
         return
-    previous = {s: signal.signal(s, handler) for s in _SIGNALS}
+    previous = {s: signal.signal(s, handler) for s in _heard()}
     try:
         yield
     finally:
