@@ -41,7 +41,9 @@ resident memory it leaves, its peak while compiling (``VmHWM`` started over
 before), and the optimized program's instructions; per product, the
 difference over the 31 more. Then the same 32 products of one shape (the
 layers of a model, whose kernels repeat): XLA compiles a kernel once for
-every product that has it.
+every product that has it. The same for Keras' ``Adam`` update of ``K``
+deltas of 1 % of a 1,024 x 1,024 kernel's elements each: scattered
+elements give each delta a length of its own.
 
     KERAS_BACKEND=jax python benchmarks/sampled.py --compiled
 """
@@ -208,8 +210,6 @@ def compiled(count: int, same: bool = False) -> dict:
 
     ``same``: every product of one shape (else a width of its own each).
     """
-    import ctypes
-    import gc
     import inspect
 
     import jax
@@ -217,10 +217,6 @@ def compiled(count: int, same: bool = False) -> dict:
 
     from finefreeze._backends.chosen import chosen
     from finefreeze._slices.sampled import SAMPLED_CHUNK, padded_index
-
-    def status(key: str) -> float:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
 
     rng = np.random.default_rng(0)
     tokens, n_in = 512, 1024
@@ -242,18 +238,56 @@ def compiled(count: int, same: bool = False) -> dict:
                 out.append(chosen().sampled_dots(x, dy, k // w, k % w, "a", SAMPLED_CHUNK))
         return out
 
+    return _compiled_memory(lambda: jax.jit(products).lower(xs, dys, index).compile(), count, same)
+
+
+def compiled_updates(count: int, same: bool = False) -> dict:
+    """Compile Keras' ``Adam`` update of ``count`` deltas in one jitted program; the memory it took (MB).
+
+    Each delta is 1 % of a 1,024 x 1,024 kernel's elements (scattered: a
+    count of its own each, unless ``same``), as the optimizer of a plan of
+    scattered elements on a quantized base updates them.
+    """
+    import jax
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lengths = [10486 + (0 if same else int(rng.integers(-300, 300))) for _ in range(count)]
+    variables = [keras.Variable(np.zeros(n, "float32"), name=f"delta_{i}") for i, n in enumerate(lengths)]
+    opt = keras.optimizers.Adam(1e-3)
+    opt.build(variables)
+    grads = [jax.numpy.ones(n, "float32") for n in lengths]
+
+    def update(opt_values, grads, values):
+        return opt.stateless_apply(opt_values, grads, values)
+
+    args = ([v.value for v in opt.variables], grads, [v.value for v in variables])
+    return _compiled_memory(lambda: jax.jit(update).lower(*args).compile(), count, same)
+
+
+def _compiled_memory(compile_it, count: int, same: bool) -> dict:
+    """What ``compile_it()`` left resident and its peak (MB, ``VmRSS`` / ``VmHWM`` over the process's before)."""
+    import ctypes
+    import gc
+
+    def status(key: str) -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     before = status("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM from here
-    program = jax.jit(products).lower(xs, dys, index).compile()
+    program = compile_it()
     peak = status("VmHWM:") - before
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    text = program.as_text()
     held = status("VmRSS:") - before
-    lines = sum(1 for line in text.splitlines() if line.lstrip().startswith(("%", "ROOT %")) and " = " in line)
+    lines = sum(
+        1 for line in program.as_text().splitlines() if line.lstrip().startswith(("%", "ROOT %")) and " = " in line
+    )
     return {"products": count, "same": same, "held_mb": held, "peak_mb": peak, "instructions": lines}
 
 
@@ -261,25 +295,31 @@ def compiled_table() -> None:
     import json
     import subprocess
 
-    rows = []
-    for count, same in ((1, False), (32, False), (32, True)):
-        cmd = [sys.executable, __file__, "--compiled-child", str(count)] + (["--same-shape"] if same else [])
-        got = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        rows.append(json.loads(got.stdout.strip().splitlines()[-1]))
-    one = rows[0]
-    print("## jax: sampled products compiled in one program (1 % of 1,024 x ~1,024 each, 512 tokens)\n")
-    print("| products | held MB | peak MB while compiling | instructions |")
-    print("| --- | --- | --- | --- |")
-    for r in rows:
-        shapes = "one shape" if r["same"] else "a shape each"
-        print(f"| {r['products']}, {shapes} | {r['held_mb']:.1f} | {r['peak_mb']:.1f} | {r['instructions']:,} |")
-    for many in rows[1:]:
-        n = many["products"] - one["products"]
-        shapes = "one shape" if many["same"] else "a shape each"
-        print(
-            f"| per product, {shapes} | {(many['held_mb'] - one['held_mb']) / n:.2f} "
-            f"| {(many['peak_mb'] - one['peak_mb']) / n:.2f} | {(many['instructions'] - one['instructions']) / n:.0f} |"
-        )
+    for what, title in (
+        ("products", "sampled products compiled in one program (1 % of 1,024 x ~1,024 each, 512 tokens)"),
+        ("updates", "Adam's updates of deltas compiled in one program (1 % of 1,024 x 1,024 each)"),
+    ):
+        rows = []
+        for count, same in ((1, False), (32, False), (32, True)):
+            cmd = [sys.executable, __file__, "--compiled-child", str(count), "--what", what]
+            got = subprocess.run(cmd + (["--same-shape"] if same else []), capture_output=True, text=True, check=True)
+            rows.append(json.loads(got.stdout.strip().splitlines()[-1]))
+        one = rows[0]
+        print(f"## jax: {title}\n")
+        print(f"| {what} | held MB | peak MB while compiling | instructions |")
+        print("| --- | --- | --- | --- |")
+        for r in rows:
+            shapes = "one shape" if r["same"] else "a shape each"
+            print(f"| {r['products']}, {shapes} | {r['held_mb']:.1f} | {r['peak_mb']:.1f} | {r['instructions']:,} |")
+        for many in rows[1:]:
+            n = many["products"] - one["products"]
+            shapes = "one shape" if many["same"] else "a shape each"
+            print(
+                f"| per {what[:-1]}, {shapes} | {(many['held_mb'] - one['held_mb']) / n:.2f} "
+                f"| {(many['peak_mb'] - one['peak_mb']) / n:.2f} "
+                f"| {(many['instructions'] - one['instructions']) / n:.0f} |"
+            )
+        print()
 
 
 def main():
@@ -294,11 +334,13 @@ def main():
     ap.add_argument("--compiled", action="store_true", help="JAX: memory and instructions XLA compiles per product")
     ap.add_argument("--compiled-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--same-shape", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--what", default="products", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.compiled_child:
         import json
 
-        return print(json.dumps(compiled(a.compiled_child, a.same_shape)))
+        measure = compiled if a.what == "products" else compiled_updates
+        return print(json.dumps(measure(a.compiled_child, a.same_shape)))
     if a.compiled:
         return compiled_table()
     threads(a.threads)
