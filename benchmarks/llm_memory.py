@@ -19,6 +19,8 @@ Variants (trained elements at the default size in brackets):
 - ``columns``: 1 % of the output columns (the last axis) of every kernel, and the norms;
 - ``columns-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``scattered``: 1 % of the elements of every kernel, drawn at random, and the norms;
+- ``scattered-even``: the same, but exactly 1 % of each kernel (drawn without replacement): every
+  kernel of one shape has a delta of one length, whose compiled code XLA shares (JAX);
 - ``scattered-qv``: the same of the query and value kernels only (the layers ``lora`` trains);
 - ``scattered-table``: 1 % of the elements of the tied token embedding, drawn at random (their
   rows are nearly every row: no block of rows is small), and the norms;
@@ -92,6 +94,7 @@ VARIANTS = [
     "columns",
     "columns-qv",
     "scattered",
+    "scattered-even",
     "scattered-qv",
     "scattered-table",
     "select",
@@ -191,6 +194,15 @@ def plan_for(variant: str, model, size: str, workdir: str):
                 continue
             n = max(1, round(FRACTION * v.shape[-1]))
             rules.append(ff.train(f"{v.path}[..., :{n}]"))
+        return ff.Plan(base + rules)
+    if variant == "scattered-even":  # exactly 1 % of each kernel: kernels of one shape, deltas of one length
+        rng = np.random.default_rng(2)
+        rules = []
+        for v in kernels(model):
+            size = int(np.prod(v.shape))
+            mask = np.zeros(size, bool)
+            mask[rng.choice(size, round(FRACTION * size), replace=False)] = True
+            rules.append(ff.train(v.path, mask=mask.reshape(v.shape)))
         return ff.Plan(base + rules)
     if variant in ("scattered", "scattered-qv"):
         rng = np.random.default_rng(2)
