@@ -25,5 +25,5 @@ def main() -> int:
         how = " by SIGTERM" if isinstance(e, atomic.Terminated) else ""
         print(f"finefreeze: interrupted{how} while it loaded; nothing was written", file=sys.stderr)
         sys.stderr.flush()
-        os._exit(143 if isinstance(e, atomic.Terminated) else 130)
+        os._exit(atomic.exit_code())
     return command()
